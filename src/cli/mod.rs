@@ -1,0 +1,150 @@
+//! The `outpost` command line. This is the binary's edge: errors become `anyhow` here, are
+//! printed once, and decide the exit code.
+
+mod bench;
+mod config_cmd;
+mod migrate;
+mod produce;
+mod status;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+
+use crate::config::{self, Config, LoadOptions};
+use crate::store::{ConnectSettings, Store};
+
+/// Exit code for configuration problems (`outpost config check` and any command whose
+/// configuration does not load).
+pub const EXIT_CONFIG: u8 = 2;
+
+/// Outpost: delivers committed outbox events from PostgreSQL to Redis Streams.
+#[derive(Debug, Parser)]
+#[command(name = "outpost", version, about, long_about = None)]
+pub struct Cli {
+    /// Configuration file (default: config/outpost.toml when it exists).
+    #[arg(long, global = true, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Override one key, e.g. `--set relay.batch_rows=1000` (repeatable; wins over the
+    /// environment and the file).
+    #[arg(long = "set", global = true, value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Apply, revert or list schema migrations.
+    Migrate {
+        #[command(subcommand)]
+        action: migrate::MigrateAction,
+    },
+    /// Check or print the effective configuration.
+    Config {
+        #[command(subcommand)]
+        action: config_cmd::ConfigAction,
+    },
+    /// Backlog by state and partition, oldest pending age, leases.
+    Status(status::StatusArgs),
+    /// Write load through the real producer API.
+    Produce(produce::ProduceArgs),
+    /// Benchmarks (results belong in docs/benchmarks.md).
+    Bench {
+        #[command(subcommand)]
+        which: bench::BenchCommand,
+    },
+}
+
+/// Parses the command line and runs it.
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_tracing();
+    let loaded = load_config(&cli);
+    if let Command::Config { action } = &cli.command {
+        return config_cmd::run(action, loaded);
+    }
+    let config = match loaded {
+        Ok(c) => c,
+        Err(problems) => {
+            eprintln!("outpost: the configuration has problems:\n{problems}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("outpost: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        match cli.command {
+            Command::Migrate { action } => migrate::run(&config, action).await,
+            Command::Status(args) => status::run(&config, args).await,
+            Command::Produce(args) => produce::run(&config, args).await,
+            Command::Bench { which } => bench::run(&config, which).await,
+            Command::Config { .. } => Ok(()),
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("outpost: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn load_config(cli: &Cli) -> Result<Config, config::ConfigErrors> {
+    let mut overrides = Vec::with_capacity(cli.set.len());
+    for item in &cli.set {
+        match item.split_once('=') {
+            Some((k, v)) => overrides.push((k.trim().to_owned(), v.to_owned())),
+            None => {
+                return Err(config::ConfigErrors {
+                    problems: vec![config::Problem {
+                        key: item.clone(),
+                        source: format!("flag --set {item}"),
+                        message: "expected KEY=VALUE, e.g. --set relay.batch_rows=1000".to_owned(),
+                    }],
+                });
+            }
+        }
+    }
+    config::load(&LoadOptions {
+        file: cli.config.clone(),
+        overrides,
+        ..LoadOptions::default()
+    })
+}
+
+fn init_tracing() {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    // A second initialisation (tests calling `main` twice) is harmless to ignore.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// Opens the database named by `database.url`.
+pub(crate) async fn connect(config: &Config, purpose: &str) -> anyhow::Result<Store> {
+    let url = config.database.url()?;
+    Store::connect(&ConnectSettings {
+        url: url.expose().to_owned(),
+        pool_size: config.database.pool_size,
+        connect_timeout: Duration::from_millis(config.database.connect_timeout_ms),
+        application_name: format!("outpost {purpose}"),
+    })
+    .await
+    .with_context(|| format!("connecting to the database at {url}"))
+}

@@ -1,0 +1,67 @@
+//! `outpost status`.
+
+use clap::Args;
+
+use crate::config::Config;
+use crate::store;
+
+/// Options of `outpost status`.
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    /// Print every partition, not only those with a backlog, an owner or a pause.
+    #[arg(long)]
+    all: bool,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+pub(super) async fn run(config: &Config, args: StatusArgs) -> anyhow::Result<()> {
+    let store = super::connect(config, "status").await?;
+    let backlog = store::backlog(&store).await?;
+    if args.json {
+        let v = serde_json::json!({
+            "by_status": backlog.by_status.iter()
+                .map(|s| (s.status.clone(), serde_json::Value::from(s.rows)))
+                .collect::<serde_json::Map<_, _>>(),
+            "oldest_pending_age_secs": backlog.oldest_pending_age_secs,
+            "partitions": backlog.partitions.iter().map(|p| serde_json::json!({
+                "partition": p.partition, "ready": p.ready, "owner": p.owner,
+                "epoch": p.epoch, "paused": p.paused,
+            })).collect::<Vec<_>>(),
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    println!("events by state:");
+    if backlog.by_status.is_empty() {
+        println!("  (none)");
+    }
+    for s in &backlog.by_status {
+        println!("  {:<15} {:>12}", s.status, s.rows);
+    }
+    match backlog.oldest_pending_age_secs {
+        Some(age) => println!("oldest pending: {age:.3} s"),
+        None => println!("oldest pending: none"),
+    }
+    println!("partitions ({}):", backlog.partitions.len());
+    println!(
+        "  {:>9} {:>10} {:>8} {:>6}  owner",
+        "partition", "ready", "epoch", "paused"
+    );
+    for p in backlog
+        .partitions
+        .iter()
+        .filter(|p| args.all || p.ready > 0 || p.owner.is_some() || p.paused)
+    {
+        println!(
+            "  {:>9} {:>10} {:>8} {:>6}  {}",
+            p.partition,
+            p.ready,
+            p.epoch,
+            if p.paused { "yes" } else { "no" },
+            p.owner.as_deref().unwrap_or("-")
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,196 @@
+//! When to poll and when to ask producers for a nudge.
+//!
+//! One NOTIFY per committing transaction serialises producers' commits, so a node only asks for
+//! nudges when it has been idle for a while. The protocol:
+//!
+//! - **Busy**: the node polls for ready partitions. The pause between polls starts at
+//!   `busy_poll` and doubles after every empty poll (up to `poll_interval`); any work found resets
+//!   it. Producers pay nothing.
+//! - When polls have found nothing for `idle_after`, the node **enters idle**: it sets
+//!   `wants_nudge` (producers start to NOTIFY), then polls once more, so a commit that landed
+//!   before the flag was visible is not missed.
+//! - **Idle**: the node waits for a nudge or for the scheduled poll every `poll_interval`
+//!   (a missed nudge only waits for that poll). A nudge or a poll that finds work makes it
+//!   **leave idle**: it clears `wants_nudge` and is busy again.
+//!
+//! The state machine is pure: the caller performs the [`Action`]s.
+
+use std::time::{Duration, Instant};
+
+/// Timing of the wake-up protocol.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WakePolicy {
+    /// First pause between polls while busy (`relay.busy_poll_ms`).
+    pub busy_poll: Duration,
+    /// How long without work before asking for nudges (`relay.idle_after_ms`).
+    pub idle_after: Duration,
+    /// Scheduled poll while idle, and the ceiling of the busy back-off
+    /// (`relay.poll_interval_ms`).
+    pub poll_interval: Duration,
+}
+
+/// What the caller must do after an observation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// Nothing beyond waiting [`Wakeup::next_wait`].
+    None,
+    /// Set `wants_nudge = true`, then poll again at once.
+    AskForNudges,
+    /// Set `wants_nudge = false`.
+    StopNudges,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Busy {
+        since_work: Instant,
+        pause: Duration,
+    },
+    Idle,
+}
+
+/// The wake-up state of one node.
+#[derive(Debug, Clone)]
+pub struct Wakeup {
+    policy: WakePolicy,
+    mode: Mode,
+}
+
+impl Wakeup {
+    /// Starts busy: a starting node first looks for work.
+    pub fn new(policy: WakePolicy, now: Instant) -> Self {
+        Self {
+            policy,
+            mode: Mode::Busy {
+                since_work: now,
+                pause: policy.busy_poll,
+            },
+        }
+    }
+
+    /// True while producers are asked to NOTIFY.
+    pub fn is_idle(&self) -> bool {
+        self.mode == Mode::Idle
+    }
+
+    /// Records the outcome of a poll.
+    pub fn polled(&mut self, found_work: bool, now: Instant) -> Action {
+        match (self.mode, found_work) {
+            (Mode::Busy { .. }, true) => {
+                self.mode = self.busy(now);
+                Action::None
+            }
+            (Mode::Busy { since_work, pause }, false) => {
+                if now.saturating_duration_since(since_work) >= self.policy.idle_after {
+                    self.mode = Mode::Idle;
+                    Action::AskForNudges
+                } else {
+                    self.mode = Mode::Busy {
+                        since_work,
+                        pause: (pause * 2).min(self.policy.poll_interval),
+                    };
+                    Action::None
+                }
+            }
+            (Mode::Idle, true) => {
+                self.mode = self.busy(now);
+                Action::StopNudges
+            }
+            (Mode::Idle, false) => Action::None,
+        }
+    }
+
+    /// Records a nudge from a producer.
+    pub fn nudged(&mut self, now: Instant) -> Action {
+        match self.mode {
+            Mode::Idle => {
+                self.mode = self.busy(now);
+                Action::StopNudges
+            }
+            Mode::Busy { .. } => {
+                self.mode = self.busy(now);
+                Action::None
+            }
+        }
+    }
+
+    /// How long to wait before the next poll (a nudge may end the wait early).
+    pub fn next_wait(&self) -> Duration {
+        match self.mode {
+            Mode::Busy { pause, .. } => pause,
+            Mode::Idle => self.policy.poll_interval,
+        }
+    }
+
+    fn busy(&self, now: Instant) -> Mode {
+        Mode::Busy {
+            since_work: now,
+            pause: self.policy.busy_poll,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy() -> WakePolicy {
+        WakePolicy {
+            busy_poll: Duration::from_millis(2),
+            idle_after: Duration::from_millis(200),
+            poll_interval: Duration::from_millis(500),
+        }
+    }
+
+    #[test]
+    fn busy_node_never_asks_for_nudges() {
+        let t0 = Instant::now();
+        let mut w = Wakeup::new(policy(), t0);
+        for i in 0..10_000u64 {
+            let now = t0 + Duration::from_millis(i * 2);
+            assert_eq!(w.polled(true, now), Action::None);
+            assert_eq!(w.next_wait(), Duration::from_millis(2));
+        }
+        assert!(!w.is_idle());
+    }
+
+    #[test]
+    fn empty_polls_back_off_then_go_idle_once() {
+        let t0 = Instant::now();
+        let mut w = Wakeup::new(policy(), t0);
+        let mut now = t0;
+        let mut waits = Vec::new();
+        let mut asked = 0;
+        for _ in 0..20 {
+            now += w.next_wait();
+            waits.push(w.next_wait());
+            if w.polled(false, now) == Action::AskForNudges {
+                asked += 1;
+            }
+        }
+        assert_eq!(asked, 1, "asks for nudges exactly once");
+        assert!(w.is_idle());
+        assert_eq!(&waits[..4], &[2, 4, 8, 16].map(Duration::from_millis));
+        // Idle: the scheduled poll, at most 2 per second.
+        assert_eq!(w.next_wait(), Duration::from_millis(500));
+    }
+
+    #[test]
+    fn nudge_or_found_work_leaves_idle() {
+        let t0 = Instant::now();
+        let mut w = Wakeup::new(policy(), t0);
+        let later = t0 + Duration::from_secs(1);
+        assert_eq!(w.polled(false, later), Action::AskForNudges);
+        assert_eq!(w.nudged(later), Action::StopNudges);
+        assert!(!w.is_idle());
+        assert_eq!(
+            w.polled(false, later + Duration::from_secs(1)),
+            Action::AskForNudges
+        );
+        assert_eq!(
+            w.polled(true, later + Duration::from_secs(2)),
+            Action::StopNudges
+        );
+        assert_eq!(w.next_wait(), Duration::from_millis(2));
+    }
+}

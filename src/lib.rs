@@ -1,0 +1,19 @@
+//! Outpost: a transactional-outbox dispatcher.
+//!
+//! Applications commit a business change and an event fact in one database transaction; Outpost
+//! delivers every committed fact to Redis Streams afterwards, at least once and in order per
+//! aggregate.
+//!
+//! # Layout
+//! - [`config`]: the typed configuration tree (defaults → file → environment → flags).
+//! - [`store`]: every SQL statement; the only module that talks to the database.
+//! - [`produce`]: the producer API applications call inside their own transactions.
+//! - [`cli`]: the `outpost` command line.
+//!
+//! `ARCHITECTURE.md` at the repository root has the bird's-eye view and the invariants.
+
+pub mod cli;
+pub mod config;
+pub mod dispatch;
+pub mod produce;
+pub mod store;

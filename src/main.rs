@@ -1,0 +1,5 @@
+//! The `outpost` binary.
+
+fn main() -> std::process::ExitCode {
+    outpost::cli::main()
+}

@@ -1,0 +1,113 @@
+//! Errors of the store, classified by what the caller should do next.
+
+use sea_orm::DbErr;
+
+/// What went wrong talking to the database.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The database could not be reached or dropped the connection. Retry after a pause.
+    #[error("database unavailable: {0} (check database.url and that PostgreSQL is running)")]
+    Unavailable(String),
+    /// An event with this id is already in the outbox.
+    #[error(
+        "an event with event_id {0} is already in the outbox; every event needs its own event_id \
+         (leave it unset to have one generated)"
+    )]
+    DuplicateEventId(uuid::Uuid),
+    /// The schema refused a row (a CHECK, NOT NULL or unique constraint).
+    #[error("the database refused the row: constraint {constraint} ({detail})")]
+    Rejected {
+        /// Name of the violated constraint, when the database reports one.
+        constraint: String,
+        /// The database's own description.
+        detail: String,
+    },
+    /// Outpost's tables are missing.
+    #[error("Outpost's schema is not installed in this database: run `outpost migrate up`")]
+    NotMigrated,
+    /// A value in the database breaks an invariant Outpost relies on.
+    #[error("unexpected data in Outpost's tables: {0}")]
+    Corrupt(String),
+    /// The connection URL points at a database Outpost cannot use yet.
+    #[error("unsupported database backend {0}: Outpost needs PostgreSQL")]
+    UnsupportedBackend(String),
+    /// Any other database error.
+    #[error("database error: {0}")]
+    Db(DbErr),
+}
+
+/// The meaning of a database error, read from its SQLSTATE, never from its message text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DbErrorKind {
+    /// 23505, with the constraint's name.
+    UniqueViolation(String),
+    /// 23514 / 23502 / 22xxx: the row itself is wrong.
+    InvalidRow(String),
+    /// 42P01: a table is missing.
+    UndefinedTable,
+    /// Connection refused, reset, closed, pool timeout, admin shutdown (57P01..57P03), 08xxx.
+    Connection,
+    /// 40001 / 40P01: serialization failure or deadlock; safe to retry the transaction.
+    Retryable,
+    /// Anything else.
+    Other,
+}
+
+/// Reads the SQLSTATE (and constraint name) out of a SeaORM error.
+pub fn classify(err: &DbErr) -> DbErrorKind {
+    use sea_orm::{RuntimeErr, sqlx};
+    let sqlx_err = match err {
+        DbErr::Conn(_) | DbErr::ConnectionAcquire(_) => return DbErrorKind::Connection,
+        DbErr::Exec(RuntimeErr::SqlxError(e)) | DbErr::Query(RuntimeErr::SqlxError(e)) => e,
+        _ => return DbErrorKind::Other,
+    };
+    match &**sqlx_err {
+        sqlx::Error::Database(db) => {
+            let code = db.code().map(|c| c.to_string()).unwrap_or_default();
+            let constraint = db.constraint().unwrap_or_default().to_owned();
+            match code.as_str() {
+                "23505" => DbErrorKind::UniqueViolation(constraint),
+                "23514" | "23502" => DbErrorKind::InvalidRow(constraint),
+                c if c.starts_with("22") => DbErrorKind::InvalidRow(constraint),
+                "42P01" => DbErrorKind::UndefinedTable,
+                "40001" | "40P01" => DbErrorKind::Retryable,
+                c if c.starts_with("08") || c.starts_with("57P") => DbErrorKind::Connection,
+                _ => DbErrorKind::Other,
+            }
+        }
+        sqlx::Error::Io(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::Protocol(_) => DbErrorKind::Connection,
+        _ => DbErrorKind::Other,
+    }
+}
+
+impl StoreError {
+    /// Maps a SeaORM error to the store's vocabulary.
+    pub fn from_db(err: DbErr) -> Self {
+        match classify(&err) {
+            DbErrorKind::Connection => StoreError::Unavailable(err.to_string()),
+            DbErrorKind::UndefinedTable => StoreError::NotMigrated,
+            DbErrorKind::InvalidRow(constraint) | DbErrorKind::UniqueViolation(constraint) => {
+                StoreError::Rejected {
+                    constraint,
+                    detail: err.to_string(),
+                }
+            }
+            DbErrorKind::Retryable | DbErrorKind::Other => StoreError::Db(err),
+        }
+    }
+
+    /// True when the operation may succeed if retried after a pause (the database was
+    /// unreachable, or a transaction lost a serialization race).
+    pub fn is_transient(&self) -> bool {
+        match self {
+            StoreError::Unavailable(_) => true,
+            StoreError::Db(e) => classify(e) == DbErrorKind::Retryable,
+            _ => false,
+        }
+    }
+}

@@ -1,0 +1,175 @@
+//! Writing event facts (the producer side of the contract).
+
+use std::collections::HashMap;
+
+use chrono::{DateTime, Utc};
+use sea_orm::{ConnectionTrait, Value};
+use uuid::Uuid;
+
+use super::{DbErrorKind, StoreError, classify, stmt};
+
+/// One validated event fact, ready to be inserted. Delivery state, sequence, partition and
+/// transaction id are not here: the database fills them in.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewEventRow {
+    /// Stable identity; consumers deduplicate by it.
+    pub event_id: Uuid,
+    /// Aggregate type, e.g. `order`.
+    pub aggregate_type: String,
+    /// Aggregate id within its type.
+    pub aggregate_id: String,
+    /// The producer's own version of the aggregate, carried as data.
+    pub aggregate_version: Option<i64>,
+    /// Event type, e.g. `order.paid`.
+    pub event_type: String,
+    /// Schema version of the payload (`MAJOR[.MINOR[.PATCH]]`).
+    pub schema_version: String,
+    /// When the fact happened, by the producer's clock.
+    pub occurred_at: DateTime<Utc>,
+    /// The payload, already encoded as JSON text.
+    pub payload_json: String,
+    /// Headers (a JSON object of strings), already encoded as JSON text.
+    pub headers_json: String,
+    /// Explicit destination, overriding routing.
+    pub destination: Option<String>,
+}
+
+/// What the database assigned to an inserted event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InsertedEvent {
+    /// Outbox row id.
+    pub id: i64,
+    /// The event id (as given).
+    pub event_id: Uuid,
+    /// Gap-free sequence within the aggregate, in commit order.
+    pub aggregate_seq: i64,
+    /// Partition of the aggregate.
+    pub partition: i32,
+    /// Id of the writing transaction.
+    pub txid: i64,
+    /// Initial delivery state: `pending`, or `held` when the aggregate is held back.
+    pub status: String,
+}
+
+const COLUMNS: usize = 10;
+/// Rows per statement: Postgres accepts at most 65,535 bind parameters.
+const MAX_ROWS_PER_STATEMENT: usize = 6_000;
+
+/// Inserts event facts on the caller's connection or transaction, one statement per 6,000 rows,
+/// and returns what the database assigned, in the order given.
+pub async fn insert_events<C: ConnectionTrait>(
+    conn: &C,
+    rows: &[NewEventRow],
+) -> Result<Vec<InsertedEvent>, StoreError> {
+    let mut out = Vec::with_capacity(rows.len());
+    for chunk in rows.chunks(MAX_ROWS_PER_STATEMENT) {
+        let sql = insert_sql("outpost_event", chunk.len());
+        let result = conn.query_all_raw(stmt(&sql, insert_values(chunk))).await;
+        let returned = match result {
+            Ok(r) => r,
+            Err(e) => return Err(insert_error(e, chunk)),
+        };
+        out.extend(match_returned(returned, chunk)?);
+    }
+    Ok(out)
+}
+
+/// The multi-row INSERT of event facts into `table` (Outpost's outbox, or the benchmark's plain
+/// copy of it).
+pub(super) fn insert_sql(table: &str, rows: usize) -> String {
+    let mut sql = String::with_capacity(200 + rows * 80);
+    sql.push_str("INSERT INTO ");
+    sql.push_str(table);
+    sql.push_str(
+        " (event_id, aggregate_type, aggregate_id, aggregate_version, \
+         event_type, schema_version, occurred_at, payload, headers, destination) VALUES ",
+    );
+    for i in 0..rows {
+        if i > 0 {
+            sql.push(',');
+        }
+        let b = i * COLUMNS;
+        sql.push_str(&format!(
+            "(${},${},${},${},${},${},${},${}::jsonb,${}::jsonb,${})",
+            b + 1,
+            b + 2,
+            b + 3,
+            b + 4,
+            b + 5,
+            b + 6,
+            b + 7,
+            b + 8,
+            b + 9,
+            b + 10
+        ));
+    }
+    sql.push_str(" RETURNING id, event_id, aggregate_seq, partition, txid, status");
+    sql
+}
+
+/// The bind values of [`insert_sql`], row after row.
+pub(super) fn insert_values(rows: &[NewEventRow]) -> Vec<Value> {
+    let mut values: Vec<Value> = Vec::with_capacity(rows.len() * COLUMNS);
+    for row in rows {
+        values.extend([
+            row.event_id.into(),
+            row.aggregate_type.clone().into(),
+            row.aggregate_id.clone().into(),
+            row.aggregate_version.into(),
+            row.event_type.clone().into(),
+            row.schema_version.clone().into(),
+            row.occurred_at.into(),
+            row.payload_json.clone().into(),
+            row.headers_json.clone().into(),
+            row.destination.clone().into(),
+        ]);
+    }
+    values
+}
+
+/// Pairs the rows RETURNING gave back with the rows sent, in the order sent.
+fn match_returned(
+    returned: Vec<sea_orm::QueryResult>,
+    rows: &[NewEventRow],
+) -> Result<Vec<InsertedEvent>, StoreError> {
+    let mut by_id: HashMap<Uuid, InsertedEvent> = HashMap::with_capacity(returned.len());
+    for r in returned {
+        let ev = InsertedEvent {
+            id: r.try_get_by_index(0).map_err(StoreError::from_db)?,
+            event_id: r.try_get_by_index(1).map_err(StoreError::from_db)?,
+            aggregate_seq: r.try_get_by_index(2).map_err(StoreError::from_db)?,
+            partition: r.try_get_by_index(3).map_err(StoreError::from_db)?,
+            txid: r.try_get_by_index(4).map_err(StoreError::from_db)?,
+            status: r.try_get_by_index(5).map_err(StoreError::from_db)?,
+        };
+        by_id.insert(ev.event_id, ev);
+    }
+    rows.iter()
+        .map(|row| {
+            by_id.remove(&row.event_id).ok_or_else(|| {
+                StoreError::Corrupt(format!("insert did not return event {}", row.event_id))
+            })
+        })
+        .collect()
+}
+
+/// Turns an insert failure into the most useful error: a duplicate event id names the id.
+fn insert_error(err: sea_orm::DbErr, rows: &[NewEventRow]) -> StoreError {
+    if let DbErrorKind::UniqueViolation(constraint) = classify(&err)
+        && constraint == "outpost_event_event_id_key"
+    {
+        // The database does not say which row collided without parsing its message; with one
+        // row it is that row, otherwise report the first of the batch and say so in the detail.
+        if let [only] = rows {
+            return StoreError::DuplicateEventId(only.event_id);
+        }
+        return StoreError::Rejected {
+            constraint,
+            detail: format!(
+                "one of the {} event ids in this batch is already in the outbox",
+                rows.len()
+            ),
+        };
+    }
+    StoreError::from_db(err)
+}

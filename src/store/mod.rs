@@ -1,0 +1,114 @@
+//! All SQL lives here.
+//!
+//! `store` is the seam between Outpost and its database: callers speak in terms of events,
+//! batches, leases and figures; this module turns them into statements for the backend in use.
+//! It never touches Redis. Today the only backend is PostgreSQL; a statement that another backend
+//! would write differently is built in one place here, so adding a backend does not touch callers.
+
+pub mod admin;
+pub mod bench;
+mod error;
+mod events;
+mod listen;
+mod migrate;
+mod node;
+mod status;
+
+use std::time::Duration;
+
+use sea_orm::sqlx::postgres::PgConnectOptions;
+use sea_orm::{
+    ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbBackend, Statement,
+};
+
+pub use error::{DbErrorKind, StoreError, classify};
+pub use events::{InsertedEvent, NewEventRow, insert_events};
+pub use listen::{Nudge, NudgeListener, WAKEUP_CHANNEL};
+pub use migrate::{MigrationState, migrate_down, migrate_status, migrate_up};
+pub use node::NodeInfo;
+pub use status::{Backlog, PartitionBacklog, StatusCount, backlog};
+
+/// How a pool is opened: the URL and the knobs an operator may tune.
+#[derive(Debug, Clone)]
+pub struct ConnectSettings {
+    /// A `postgres://` URL. Never logged: it may carry a password.
+    pub url: String,
+    /// Upper bound of pooled connections.
+    pub pool_size: u32,
+    /// How long to wait for a new connection before giving up.
+    pub connect_timeout: Duration,
+    /// `application_name` shown in `pg_stat_activity`, so an operator can tell relay sessions
+    /// apart (and terminate them) without guessing.
+    pub application_name: String,
+}
+
+/// A handle on Outpost's database: a connection pool plus the backend it speaks.
+#[derive(Debug, Clone)]
+pub struct Store {
+    db: DatabaseConnection,
+}
+
+impl Store {
+    /// Opens a pool. Sessions prefer index scans (`random_page_cost = 1.1`): the claim query must
+    /// use the partial ready index even when the backlog is large and the statistics are stale.
+    pub async fn connect(settings: &ConnectSettings) -> Result<Self, StoreError> {
+        let mut opts = ConnectOptions::new(settings.url.clone());
+        let app = settings.application_name.clone();
+        opts.max_connections(settings.pool_size)
+            .min_connections(0)
+            .connect_timeout(settings.connect_timeout)
+            .acquire_timeout(settings.connect_timeout)
+            .sqlx_logging(false)
+            .map_sqlx_postgres_opts(move |o: PgConnectOptions| {
+                o.application_name(&app)
+                    .options([("random_page_cost", "1.1")])
+            });
+        let db = Database::connect(opts).await.map_err(StoreError::from_db)?;
+        if db.get_database_backend() != DbBackend::Postgres {
+            return Err(StoreError::UnsupportedBackend(format!(
+                "{:?}",
+                db.get_database_backend()
+            )));
+        }
+        Ok(Self { db })
+    }
+
+    /// Wraps an existing SeaORM connection (the application's own pool, say).
+    pub fn from_connection(db: DatabaseConnection) -> Self {
+        Self { db }
+    }
+
+    /// The underlying SeaORM connection, for callers that run their own transactions.
+    pub fn connection(&self) -> &DatabaseConnection {
+        &self.db
+    }
+
+    /// A trivial round trip: used by readiness checks.
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        self.db
+            .execute_unprepared("SELECT 1")
+            .await
+            .map_err(StoreError::from_db)?;
+        Ok(())
+    }
+
+    /// The partition count fixed by the schema.
+    pub async fn partition_count(&self) -> Result<u32, StoreError> {
+        let row = self
+            .db
+            .query_one_raw(stmt("SELECT partition_count FROM outpost_meta", []))
+            .await
+            .map_err(StoreError::from_db)?
+            .ok_or(StoreError::NotMigrated)?;
+        let n: i32 = row.try_get_by_index(0).map_err(StoreError::from_db)?;
+        u32::try_from(n).map_err(|_| StoreError::Corrupt(format!("partition_count is {n}")))
+    }
+}
+
+/// A Postgres statement with positional parameters.
+fn stmt<I>(sql: &str, values: I) -> Statement
+where
+    I: IntoIterator<Item = sea_orm::Value>,
+{
+    Statement::from_sql_and_values(DbBackend::Postgres, sql, values)
+}

@@ -1,0 +1,204 @@
+//! Shared test harness: each test gets its own migrated PostgreSQL database (a copy of a template
+//! migrated once per schema version) and its own Redis key prefix, so tests run in parallel, in
+//! one process (`cargo test`) or one process each (`cargo nextest`).
+//!
+//! Servers: `TEST_DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/postgres`) and
+//! `TEST_REDIS_URL` (default `redis://127.0.0.1:6379`).
+
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::hash_map::DefaultHasher;
+use std::hash::{Hash, Hasher};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use outpost::store::{self, ConnectSettings, Store, admin};
+
+/// Server URL of the test PostgreSQL.
+pub fn server_url() -> String {
+    std::env::var("TEST_DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned())
+}
+
+/// URL of the test Redis.
+pub fn redis_url() -> String {
+    std::env::var("TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
+}
+
+/// Name of the template database for the current migrations: a hash of the migration sources,
+/// so changing a migration builds a fresh template.
+fn template_name() -> String {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/migration/src");
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .expect("migration sources")
+        .map(|e| e.expect("dir entry").path())
+        .collect();
+    files.sort();
+    let mut h = DefaultHasher::new();
+    for f in files {
+        std::fs::read(&f).expect("read migration").hash(&mut h);
+    }
+    format!("outpost_tpl_{:016x}", h.finish())
+}
+
+const TEMPLATE_LOCK: i64 = 0x6f75_7470_7465_6d70;
+
+async fn ensure_template() -> String {
+    let server = server_url();
+    let name = template_name();
+    let building = format!("{name}_build");
+    admin::with_server_lock(&server, TEMPLATE_LOCK, || async {
+        if !admin::create_database(&server, &building, None).await? {
+            // A build that crashed half-way left this behind: start over.
+            admin::drop_database(&server, &building).await?;
+            admin::create_database(&server, &building, None).await?;
+        }
+        if admin::database_exists(&server, &name).await? {
+            admin::drop_database(&server, &building).await?;
+            return Ok(());
+        }
+        let store = connect_to(&admin::database_url(&server, &building)?, 2).await?;
+        store::migrate_up(&store).await?;
+        store.connection().clone().close().await.ok();
+        admin::rename_database(&server, &building, &name).await
+    })
+    .await
+    .expect("template database");
+    name
+}
+
+async fn connect_to(url: &str, pool: u32) -> Result<Store, store::StoreError> {
+    Store::connect(&ConnectSettings {
+        url: url.to_owned(),
+        pool_size: pool,
+        connect_timeout: Duration::from_secs(10),
+        application_name: "outpost test".to_owned(),
+    })
+    .await
+}
+
+static COUNTER: AtomicU32 = AtomicU32::new(0);
+
+/// A migrated database of the test's own, dropped when the value is dropped.
+#[derive(Debug)]
+pub struct TestDb {
+    /// Database name.
+    pub name: String,
+    /// Its URL.
+    pub url: String,
+    /// A pool on it.
+    pub store: Store,
+}
+
+impl TestDb {
+    /// Creates a fresh migrated database with a pool of 20 connections.
+    pub async fn new() -> Self {
+        Self::with_pool(20).await
+    }
+
+    /// Creates a fresh migrated database with a pool of `pool` connections.
+    pub async fn with_pool(pool: u32) -> Self {
+        let template = ensure_template().await;
+        let server = server_url();
+        let name = format!(
+            "outpost_t_{}_{}_{}",
+            std::process::id(),
+            COUNTER.fetch_add(1, Ordering::Relaxed),
+            uuid::Uuid::new_v4().simple().to_string()[..8].to_owned()
+        );
+        let mut tries = 0;
+        loop {
+            match admin::create_database(&server, &name, Some(&template)).await {
+                Ok(_) => break,
+                // Another process is copying the template at this instant: try again shortly.
+                Err(e) if tries < 50 => {
+                    tries += 1;
+                    let _ = e;
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(e) => panic!("creating test database: {e}"),
+            }
+        }
+        let url = admin::database_url(&server, &name).expect("url");
+        let store = connect_to(&url, pool).await.expect("connect test database");
+        Self { name, url, store }
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        let (server, name) = (server_url(), self.name.clone());
+        // Drop runs outside async; a short-lived runtime on a plain thread does the work.
+        let _ = std::thread::spawn(move || {
+            if let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                let _ = rt.block_on(admin::drop_database(&server, &name));
+            }
+        })
+        .join();
+    }
+}
+
+/// A Redis key prefix of the test's own; its keys are deleted on drop.
+#[derive(Debug)]
+pub struct TestRedis {
+    /// The prefix, e.g. `t:3f2a...:`.
+    pub prefix: String,
+    /// Client on the test Redis.
+    pub client: redis::Client,
+}
+
+impl TestRedis {
+    /// A fresh prefix.
+    pub fn new() -> Self {
+        let client = redis::Client::open(redis_url()).expect("redis url");
+        Self {
+            prefix: format!("t:{}:", uuid::Uuid::new_v4().simple()),
+            client,
+        }
+    }
+
+    /// A multiplexed connection.
+    pub async fn conn(&self) -> redis::aio::MultiplexedConnection {
+        self.client
+            .get_multiplexed_async_connection()
+            .await
+            .expect("redis connection")
+    }
+}
+
+impl Drop for TestRedis {
+    fn drop(&mut self) {
+        let pattern = format!("{}*", self.prefix);
+        if let Ok(mut c) = self.client.get_connection() {
+            let keys: Vec<String> = redis::cmd("KEYS")
+                .arg(&pattern)
+                .query(&mut c)
+                .unwrap_or_default();
+            if !keys.is_empty() {
+                let _: Result<(), _> = redis::cmd("DEL").arg(keys).query(&mut c);
+            }
+        }
+    }
+}
+
+/// Waits until `check` returns true, polling every 20 ms, failing after `secs` seconds (a
+/// deadlock guard, not a timing assertion).
+pub async fn wait_until<F, Fut>(secs: u64, what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
+    loop {
+        if check().await {
+            return;
+        }
+        if tokio::time::Instant::now() > deadline {
+            panic!("timed out after {secs} s waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
