@@ -23,7 +23,7 @@ pub enum MigrateAction {
     Status,
 }
 
-pub(super) async fn run(config: &Config, action: MigrateAction) -> anyhow::Result<()> {
+pub(crate) async fn run(config: &Config, action: MigrateAction) -> anyhow::Result<()> {
     if matches!(action, MigrateAction::Up) {
         create_database_if_missing(config).await;
     }

@@ -5,6 +5,7 @@ mod bench;
 mod config_cmd;
 mod migrate;
 mod produce;
+mod run;
 mod status;
 
 use std::path::PathBuf;
@@ -39,6 +40,8 @@ pub struct Cli {
 /// The subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// Run a relay node until SIGTERM or SIGINT.
+    Run(run::RunArgs),
     /// Apply, revert or list schema migrations.
     Migrate {
         #[command(subcommand)]
@@ -87,6 +90,7 @@ pub fn main() -> ExitCode {
     };
     let result = runtime.block_on(async {
         match cli.command {
+            Command::Run(args) => run::run(&config, args).await,
             Command::Migrate { action } => migrate::run(&config, action).await,
             Command::Status(args) => status::run(&config, args).await,
             Command::Produce(args) => produce::run(&config, args).await,

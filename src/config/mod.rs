@@ -300,7 +300,7 @@ impl Default for RelayConfig {
             batch_rows: 500,
             batch_bytes: 4_194_304,
             workers: 0,
-            poll_interval_ms: 500,
+            poll_interval_ms: 1000,
             busy_poll_ms: 2,
             idle_after_ms: 200,
             max_attempts: 10,

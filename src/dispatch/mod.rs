@@ -2,4 +2,11 @@
 //!
 //! Only this module sees both the database (through [`crate::store`]) and Redis.
 
+pub mod backoff;
+pub mod batch;
+pub mod node;
+pub mod partition;
+pub mod ratelimit;
+pub mod route;
+pub mod supervisor;
 pub mod wakeup;

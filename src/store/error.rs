@@ -31,6 +31,15 @@ pub enum StoreError {
     /// The connection URL points at a database Outpost cannot use yet.
     #[error("unsupported database backend {0}: Outpost needs PostgreSQL")]
     UnsupportedBackend(String),
+    /// The node no longer holds the partition's lease at this epoch: another node took it over.
+    /// Nothing was recorded; the caller must drop its batch and stop working on the partition.
+    #[error("lease on partition {partition} at epoch {epoch} was lost to another node")]
+    LeaseLost {
+        /// Partition number.
+        partition: i32,
+        /// The epoch the caller held.
+        epoch: i64,
+    },
     /// Any other database error.
     #[error("database error: {0}")]
     Db(DbErr),

@@ -7,11 +7,14 @@
 
 pub mod admin;
 pub mod bench;
+mod claim;
 mod error;
 mod events;
+mod lease;
 mod listen;
 mod migrate;
 mod node;
+mod sql;
 mod status;
 
 use std::time::Duration;
@@ -21,8 +24,10 @@ use sea_orm::{
     ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbBackend, Statement,
 };
 
+pub use claim::{BatchResult, ClaimedEvent, FailedEvent, LeaseRef, Recorded};
 pub use error::{DbErrorKind, StoreError, classify};
 pub use events::{InsertedEvent, NewEventRow, insert_events};
+pub use lease::{Lease, LeaseTick};
 pub use listen::{Nudge, NudgeListener, WAKEUP_CHANNEL};
 pub use migrate::{MigrationState, migrate_down, migrate_status, migrate_up};
 pub use node::NodeInfo;

@@ -2,6 +2,7 @@
 
 use sea_orm::ConnectionTrait;
 
+use super::sql::num_array;
 use super::{Store, StoreError, stmt};
 
 /// Who a node is, as recorded in `outpost_node`.
@@ -81,7 +82,7 @@ impl Store {
         if partitions.is_empty() {
             return Ok(Vec::new());
         }
-        let list = int_array(partitions);
+        let list = num_array(partitions);
         let rows = self
             .connection()
             .query_all_raw(stmt(
@@ -96,18 +97,4 @@ impl Store {
             .map(|r| r.try_get_by_index::<i32>(0).map_err(StoreError::from_db))
             .collect()
     }
-}
-
-/// A Postgres array literal of integers, e.g. `{1,2,3}`.
-pub(super) fn int_array(values: &[i32]) -> String {
-    let mut s = String::with_capacity(values.len() * 4 + 2);
-    s.push('{');
-    for (i, v) in values.iter().enumerate() {
-        if i > 0 {
-            s.push(',');
-        }
-        s.push_str(&v.to_string());
-    }
-    s.push('}');
-    s
 }

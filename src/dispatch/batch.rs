@@ -1,0 +1,437 @@
+//! One batch of one partition: claim → route → rate-limit → publish → mark.
+//!
+//! The claim is a short read; publishing happens with no database transaction open; the mark is
+//! one short transaction guarded by the lease epoch. Nothing is held in memory between batches:
+//! a batch that fails part-way leaves its rows pending, and the next claim sees them again.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use metrics::{counter, histogram};
+
+use super::ratelimit::RateLimits;
+use super::route::{Route, Router};
+use crate::metrics as m;
+use crate::publish::{
+    ErrorClass, Message, PublishError, Publisher, StreamBatch, StreamOutcome, entry_fields,
+};
+use crate::store::{BatchResult, ClaimedEvent, FailedEvent, LeaseRef, Store, StoreError};
+
+/// Relay settings every batch uses.
+#[derive(Debug, Clone)]
+pub struct RelaySettings {
+    /// Rows per claim.
+    pub batch_rows: u32,
+    /// Payload and header bytes per claim.
+    pub batch_bytes: u64,
+    /// Attempts before quarantine.
+    pub max_attempts: u32,
+    /// First retry delay of a failing event.
+    pub backoff_base: Duration,
+    /// Longest retry delay of a failing event.
+    pub backoff_max: Duration,
+    /// Delete published rows instead of marking them.
+    pub delete_published: bool,
+    /// Largest payload (bytes) the relay publishes; larger rows are refused as `OVERSIZE`.
+    pub max_payload_bytes: usize,
+}
+
+/// The instant until which this node may still publish: its last lease renewal plus the lease
+/// time minus a safety margin, on the monotonic clock. Shared by all partitions of a node.
+#[derive(Debug)]
+pub struct LeaseDeadline {
+    origin: Instant,
+    until_ms: AtomicU64,
+}
+
+impl LeaseDeadline {
+    /// A deadline that has already passed.
+    pub fn new() -> Self {
+        Self {
+            origin: Instant::now(),
+            until_ms: AtomicU64::new(0),
+        }
+    }
+
+    /// Extends the deadline to `at`.
+    pub fn extend_to(&self, at: Instant) {
+        let ms = u64::try_from(at.saturating_duration_since(self.origin).as_millis())
+            .unwrap_or(u64::MAX);
+        self.until_ms.store(ms, Ordering::Release);
+    }
+
+    /// True while publishing is allowed.
+    pub fn valid(&self) -> bool {
+        let now = u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX);
+        now < self.until_ms.load(Ordering::Acquire)
+    }
+}
+
+impl Default for LeaseDeadline {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// What every worker of a node shares.
+#[derive(Debug)]
+pub struct Shared {
+    /// Routing rules.
+    pub router: Router,
+    /// Rate limits.
+    pub limits: RateLimits,
+    /// Settings.
+    pub settings: RelaySettings,
+    /// The node's publishing deadline.
+    pub deadline: LeaseDeadline,
+}
+
+/// The resources of one worker arbiter: its own database pool and Redis connection.
+#[derive(Debug, Clone)]
+pub struct Worker {
+    /// Database pool of this worker.
+    pub store: Store,
+    /// Redis connection of this worker.
+    pub publisher: Publisher,
+    /// Node-wide state.
+    pub shared: Arc<Shared>,
+}
+
+/// How a batch ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BatchOutcome {
+    /// Nothing was ready.
+    Idle,
+    /// Rows were handled. `full`: the claim hit its row limit, so more may be ready.
+    Done {
+        /// Rows claimed.
+        claimed: usize,
+        /// The claim returned `batch_rows` rows.
+        full: bool,
+    },
+}
+
+/// Why a batch stopped early.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BatchError {
+    /// Redis or the database is unavailable: back off and try again; nothing was burned.
+    #[error("transient failure: {0}")]
+    Transient(String),
+    /// The lease is gone (fenced at Redis, refused at the mark, or the local deadline passed):
+    /// stop working on the partition.
+    #[error("lease lost: {0}")]
+    LeaseLost(String),
+}
+
+impl From<StoreError> for BatchError {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::LeaseLost { .. } => {
+                counter!(m::FENCED, "at" => "database").increment(1);
+                BatchError::LeaseLost(e.to_string())
+            }
+            other => BatchError::Transient(other.to_string()),
+        }
+    }
+}
+
+/// Where each entry of a stream batch came from.
+#[derive(Debug, Clone)]
+struct Origin {
+    id: i64,
+    aggregate: (String, String),
+    seq: i64,
+    attempts: i32,
+    recorded_at: chrono::DateTime<chrono::FixedOffset>,
+}
+
+#[derive(Debug, Default)]
+struct Plan {
+    batches: Vec<StreamBatch>,
+    origins: Vec<Vec<Origin>>,
+    result: BatchResult,
+}
+
+/// Runs one batch for `lease`.
+pub async fn run_batch(worker: &Worker, lease: &LeaseRef) -> Result<BatchOutcome, BatchError> {
+    let settings = &worker.shared.settings;
+    let started = Instant::now();
+    let rows = worker
+        .store
+        .claim(lease.partition, settings.batch_rows, settings.batch_bytes)
+        .await?;
+    histogram!(m::CLAIM_SECONDS).record(started.elapsed().as_secs_f64());
+    if rows.is_empty() {
+        return Ok(BatchOutcome::Idle);
+    }
+    fail::fail_point!("after-claim", |_| std::process::abort());
+    let claimed = rows.len();
+    let full = claimed >= settings.batch_rows as usize;
+
+    let mut plan = plan(
+        &worker.shared.router,
+        &worker.publisher,
+        settings,
+        rows,
+        lease,
+    );
+    for b in &plan.batches {
+        if worker
+            .shared
+            .limits
+            .acquire(&b.stream, b.entries.len())
+            .await
+        {
+            counter!(m::RATE_LIMITED_WAITS).increment(1);
+        }
+    }
+    if !worker.shared.deadline.valid() {
+        return Err(BatchError::LeaseLost(format!(
+            "the lease on partition {} may have expired (no renewal in time); not publishing",
+            lease.partition
+        )));
+    }
+    fail::fail_point!("before-publish", |_| std::process::abort());
+    let started = Instant::now();
+    let outcomes = publish(worker, lease, &plan.batches).await;
+    histogram!(m::PUBLISH_SECONDS).record(started.elapsed().as_secs_f64());
+    let outcomes = match outcomes {
+        Ok(o) => o,
+        Err(e) => {
+            counter!(m::FAILURES, "kind" => "transient", "code" => e.code().to_owned())
+                .increment(1);
+            return Err(BatchError::Transient(e.to_string()));
+        }
+    };
+    fail::fail_point!("after-publish", |_| std::process::abort());
+
+    let now = chrono::Utc::now();
+    let mut transient: Option<PublishError> = None;
+    let origins = std::mem::take(&mut plan.origins);
+    for (outcome, origins) in outcomes.into_iter().zip(origins) {
+        let (ids, error) = match outcome {
+            StreamOutcome::Published(ids) => (ids, None),
+            StreamOutcome::Failed { ids, error } => (ids, Some(error)),
+            StreamOutcome::Fenced { current } => {
+                counter!(m::FENCED, "at" => "redis").increment(1);
+                return Err(BatchError::LeaseLost(format!(
+                    "partition {} is fenced at Redis by epoch {current} (ours is {})",
+                    lease.partition, lease.epoch
+                )));
+            }
+        };
+        let n_ok = ids.len();
+        for (origin, id) in origins.iter().zip(ids) {
+            let latency = (now - origin.recorded_at.with_timezone(&chrono::Utc))
+                .to_std()
+                .unwrap_or_default();
+            histogram!(m::COMMIT_TO_PUBLISH_SECONDS).record(latency.as_secs_f64());
+            if origin.attempts > 0 {
+                plan.result.unblocked.push((
+                    origin.aggregate.0.clone(),
+                    origin.aggregate.1.clone(),
+                    origin.seq,
+                ));
+            }
+            plan.result.published.push((origin.id, id));
+        }
+        if let (Some(error), Some(origin)) = (error, origins.get(n_ok)) {
+            match error.class() {
+                ErrorClass::Permanent => {
+                    plan.result.failed.push(failure(settings, origin, &error));
+                }
+                ErrorClass::Transient => transient = Some(error),
+            }
+        }
+    }
+    counter!(m::PUBLISHED).increment(plan.result.published.len() as u64);
+    counter!(m::NO_DESTINATION).increment(plan.result.no_destination.len() as u64);
+    for f in &plan.result.failed {
+        let code = f
+            .error
+            .split_whitespace()
+            .next()
+            .unwrap_or("ERR")
+            .to_owned();
+        counter!(m::FAILURES, "kind" => "permanent", "code" => code).increment(1);
+    }
+
+    fail::fail_point!("before-mark", |_| std::process::abort());
+    let started = Instant::now();
+    let recorded = worker
+        .store
+        .record_batch(
+            lease,
+            &plan.result,
+            settings.delete_published,
+            settings.max_attempts,
+        )
+        .await?;
+    histogram!(m::MARK_SECONDS).record(started.elapsed().as_secs_f64());
+    fail::fail_point!("after-mark", |_| std::process::abort());
+    counter!(m::RETRIES).increment(recorded.retrying);
+    counter!(m::QUARANTINED).increment(recorded.quarantined);
+    if recorded.quarantined > 0 {
+        tracing::error!(
+            partition = lease.partition,
+            quarantined = recorded.quarantined,
+            "events quarantined after relay.max_attempts; inspect with `outpost status` and \
+             release their aggregates to replay them"
+        );
+    }
+    if let Some(e) = transient {
+        counter!(m::FAILURES, "kind" => "transient", "code" => e.code().to_owned()).increment(1);
+        return Err(BatchError::Transient(e.to_string()));
+    }
+    Ok(BatchOutcome::Done { claimed, full })
+}
+
+/// Publishes the plan. With fault points compiled in, the batch is published in two calls with
+/// the `mid-batch` point between them, so a crash can land half-way through a batch.
+async fn publish(
+    worker: &Worker,
+    lease: &LeaseRef,
+    batches: &[StreamBatch],
+) -> Result<Vec<StreamOutcome>, PublishError> {
+    #[cfg(feature = "failpoints")]
+    if batches.len() > 1 {
+        let (a, b) = batches.split_at(batches.len() / 2);
+        let mut out = worker
+            .publisher
+            .publish(lease.partition, lease.epoch, a)
+            .await?;
+        fail::fail_point!("mid-batch", |_| std::process::abort());
+        out.extend(
+            worker
+                .publisher
+                .publish(lease.partition, lease.epoch, b)
+                .await?,
+        );
+        return Ok(out);
+    }
+    worker
+        .publisher
+        .publish(lease.partition, lease.epoch, batches)
+        .await
+}
+
+fn failure(settings: &RelaySettings, origin: &Origin, error: &PublishError) -> FailedEvent {
+    let attempt = u32::try_from(origin.attempts.max(0)).unwrap_or(0) + 1;
+    let delay = super::backoff::delay(
+        attempt,
+        settings.backoff_base,
+        settings.backoff_max,
+        &mut rand::rng(),
+    );
+    FailedEvent {
+        id: origin.id,
+        aggregate_type: origin.aggregate.0.clone(),
+        aggregate_id: origin.aggregate.1.clone(),
+        aggregate_seq: origin.seq,
+        error: error.to_string(),
+        retry_in_ms: i64::try_from(delay.as_millis()).unwrap_or(i64::MAX),
+    }
+}
+
+/// Routes and encodes claimed rows into per-stream batches, keeping each aggregate's order:
+/// an aggregate whose rows in this batch would go to two streams is cut before the second one
+/// (the rest waits for the next batch), and an aggregate with a failed row stops there.
+fn plan(
+    router: &Router,
+    publisher: &Publisher,
+    settings: &RelaySettings,
+    rows: Vec<ClaimedEvent>,
+    lease: &LeaseRef,
+) -> Plan {
+    let mut plan = Plan::default();
+    let mut stream_index: HashMap<String, usize> = HashMap::new();
+    // Aggregate → the stream its rows in this batch go to, or None once it is cut or failed.
+    let mut aggregates: HashMap<(String, String), Option<String>> = HashMap::new();
+    for row in rows {
+        let key = (row.aggregate_type.clone(), row.aggregate_id.clone());
+        if matches!(aggregates.get(&key), Some(None)) {
+            continue;
+        }
+        let origin = Origin {
+            id: row.id,
+            aggregate: key.clone(),
+            seq: row.aggregate_seq,
+            attempts: row.attempts,
+            recorded_at: row.recorded_at,
+        };
+        let route = router.route(
+            &row.aggregate_type,
+            &row.event_type,
+            lease.partition,
+            row.destination.as_deref(),
+        );
+        let stream = match route {
+            Ok(Route::NoDestination) => {
+                plan.result.no_destination.push(row.id);
+                continue;
+            }
+            Ok(Route::Stream(name)) => publisher.stream_key(&name),
+            Err(e) => {
+                let err = PublishError::event("UNROUTABLE", e.to_string());
+                plan.result.failed.push(failure(settings, &origin, &err));
+                aggregates.insert(key, None);
+                continue;
+            }
+        };
+        match aggregates.get(&key) {
+            Some(Some(s)) if *s != stream => {
+                aggregates.insert(key, None);
+                continue;
+            }
+            _ => {}
+        }
+        let size = row.payload.len() + row.headers.len();
+        if row.payload.len() > settings.max_payload_bytes {
+            let err = PublishError::event(
+                "OVERSIZE",
+                format!(
+                    "OVERSIZE payload of {size} bytes is over producer.max_payload_bytes ({})",
+                    settings.max_payload_bytes
+                ),
+            );
+            plan.result.failed.push(failure(settings, &origin, &err));
+            aggregates.insert(key, None);
+            continue;
+        }
+        let message = Message {
+            event_id: row.event_id.to_string(),
+            event_type: row.event_type,
+            aggregate_type: row.aggregate_type,
+            aggregate_id: row.aggregate_id,
+            aggregate_seq: row.aggregate_seq,
+            schema_version: row.schema_version,
+            time: row
+                .occurred_at
+                .to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+            payload: row.payload,
+            headers: row.headers,
+        };
+        let fields = match entry_fields(message) {
+            Ok(f) => f,
+            Err(e) => {
+                plan.result.failed.push(failure(settings, &origin, &e));
+                aggregates.insert(key, None);
+                continue;
+            }
+        };
+        aggregates.insert(key, Some(stream.clone()));
+        let idx = *stream_index.entry(stream.clone()).or_insert_with(|| {
+            plan.batches.push(StreamBatch {
+                stream,
+                entries: Vec::new(),
+            });
+            plan.origins.push(Vec::new());
+            plan.batches.len() - 1
+        });
+        plan.batches[idx].entries.push(fields);
+        plan.origins[idx].push(origin);
+    }
+    plan
+}

@@ -1,0 +1,294 @@
+//! Wiring a node: worker arbiters, the supervisor, the admin endpoints, and shutdown.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use actix::prelude::*;
+use tokio::sync::oneshot;
+
+use super::batch::{LeaseDeadline, RelaySettings, Shared, Worker};
+use super::ratelimit::RateLimits;
+use super::route::Router;
+use super::supervisor::{Health, NodeSupervisor, OwnedPartitions, Shutdown, SupervisorSettings};
+use super::wakeup::WakePolicy;
+use crate::config::Config;
+use crate::publish::{PublishError, Publisher, RedisSettings};
+use crate::store::{ConnectSettings, NodeInfo, Store, StoreError};
+
+/// Why a node could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    /// A configuration value is missing or unusable.
+    #[error("configuration: {0}")]
+    Config(String),
+    /// The database could not be reached or is not migrated.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// Redis could not be reached.
+    #[error("redis: {0}")]
+    Redis(#[from] PublishError),
+    /// The admin endpoint could not listen.
+    #[error("cannot listen on admin.listen {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// The node's thread failed.
+    #[error("the node's runtime failed: {0}")]
+    Runtime(String),
+}
+
+/// A running node (in its own thread, with its own actix system).
+#[derive(Debug)]
+pub struct NodeHandle {
+    node_id: String,
+    system: System,
+    supervisor: Addr<NodeSupervisor>,
+    health: Arc<Health>,
+    restarts: Arc<AtomicU64>,
+    admin_addr: SocketAddr,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl NodeHandle {
+    /// This node's id.
+    pub fn node_id(&self) -> &str {
+        &self.node_id
+    }
+
+    /// Readiness and liveness state.
+    pub fn health(&self) -> &Health {
+        &self.health
+    }
+
+    /// Partition actors restarted after a panic so far.
+    pub fn actor_restarts(&self) -> u64 {
+        self.restarts.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The admin endpoint's bound address (useful with port 0).
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.admin_addr
+    }
+
+    /// Partitions owned right now, with epochs.
+    pub async fn owned_partitions(&self) -> Vec<(i32, i64)> {
+        self.supervisor
+            .send(OwnedPartitions)
+            .await
+            .unwrap_or_default()
+    }
+
+    /// Graceful shutdown: stop claiming, finish in-flight batches (up to
+    /// `relay.shutdown_timeout_ms`), release every lease, deregister, stop the system.
+    pub async fn shutdown(mut self) {
+        let (tx, rx) = oneshot::channel();
+        self.supervisor.do_send(Shutdown { done: tx });
+        let _ = rx.await;
+        self.system.stop();
+        if let Some(t) = self.thread.take() {
+            let _ = tokio::task::spawn_blocking(move || t.join()).await;
+        }
+    }
+
+    /// Stops the node's system at once, without releasing anything (a crash, for tests).
+    pub fn kill(mut self) {
+        self.system.stop();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The node id from configuration, or `<hostname>-<pid>`.
+pub fn node_id(config: &Config) -> String {
+    match config.node.configured_id() {
+        Some(id) => id.to_owned(),
+        None => format!("{}-{}", hostname(), std::process::id()),
+    }
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_owned())
+        .ok()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "node".to_owned())
+}
+
+/// Starts a node in a thread of its own and returns once it is running (database and Redis
+/// connected, node registered, admin endpoint listening).
+pub fn start(config: &Config) -> Result<NodeHandle, NodeError> {
+    let config = config.clone();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let thread = std::thread::Builder::new()
+        .name("outpost-node".to_owned())
+        .spawn(move || {
+            let system = System::new();
+            let started = system.block_on(boot(config));
+            let ok = started.is_ok();
+            let _ = tx.send(started.map(|parts| (parts, System::current())));
+            if ok {
+                let _ = system.run();
+            }
+        })
+        .map_err(|e| NodeError::Runtime(e.to_string()))?;
+    let (parts, system) = rx.recv().map_err(|e| NodeError::Runtime(e.to_string()))??;
+    Ok(NodeHandle {
+        node_id: parts.node_id,
+        system,
+        supervisor: parts.supervisor,
+        health: parts.health,
+        restarts: parts.restarts,
+        admin_addr: parts.admin_addr,
+        thread: Some(thread),
+    })
+}
+
+struct Booted {
+    node_id: String,
+    supervisor: Addr<NodeSupervisor>,
+    health: Arc<Health>,
+    restarts: Arc<AtomicU64>,
+    admin_addr: SocketAddr,
+}
+
+async fn boot(config: Config) -> Result<Booted, NodeError> {
+    let db_url = config
+        .database
+        .url()
+        .map_err(|e| NodeError::Config(e.to_string()))?
+        .expose()
+        .to_owned();
+    let redis = RedisSettings {
+        url: config
+            .redis
+            .url()
+            .map_err(|e| NodeError::Config(e.to_string()))?
+            .expose()
+            .to_owned(),
+        key_prefix: config.redis.key_prefix.clone(),
+        connect_timeout: config.redis.connect_timeout(),
+        response_timeout: config.redis.response_timeout(),
+    };
+    let node_id = node_id(&config);
+    let workers_n = config.relay.effective_workers().max(1);
+    let per_worker_pool = (config.database.pool_size / workers_n as u32).max(2);
+    let connect = |purpose: &str, pool: u32| ConnectSettings {
+        url: db_url.clone(),
+        pool_size: pool,
+        connect_timeout: config.database.connect_timeout(),
+        application_name: format!("outpost {purpose} {node_id}"),
+    };
+
+    let store = Store::connect(&connect("supervisor", 4)).await?;
+    if crate::store::migrate_status(&store)
+        .await?
+        .iter()
+        .any(|m| !m.applied)
+    {
+        return Err(NodeError::Store(StoreError::NotMigrated));
+    }
+    let publisher = Publisher::connect(&redis).await?;
+    store
+        .register_node(&NodeInfo {
+            node_id: node_id.clone(),
+            hostname: hostname(),
+            pid: i32::try_from(std::process::id()).unwrap_or(0),
+            version: env!("CARGO_PKG_VERSION").to_owned(),
+        })
+        .await?;
+
+    let shared = Arc::new(Shared {
+        router: Router::new(&config.routing),
+        limits: RateLimits::new(&config.rate_limit),
+        settings: RelaySettings {
+            batch_rows: config.relay.batch_rows,
+            batch_bytes: config.relay.batch_bytes as u64,
+            max_attempts: config.relay.max_attempts,
+            backoff_base: config.relay.backoff_base(),
+            backoff_max: config.relay.backoff_max(),
+            delete_published: config.relay.delete_published,
+            max_payload_bytes: config.producer.max_payload_bytes,
+        },
+        deadline: LeaseDeadline::new(),
+    });
+
+    // Worker arbiters, each with its own pool and Redis connection created on its own thread.
+    let mut workers = Vec::with_capacity(workers_n);
+    for i in 0..workers_n {
+        let arbiter = Arbiter::new().handle();
+        let (tx, rx) = oneshot::channel();
+        let (settings, redis, shared) = (
+            connect(&format!("worker {i}"), per_worker_pool),
+            redis.clone(),
+            shared.clone(),
+        );
+        arbiter.spawn(async move {
+            let made = async {
+                let store = Store::connect(&settings).await?;
+                let publisher = Publisher::connect(&redis).await?;
+                Ok::<_, NodeError>(Worker {
+                    store,
+                    publisher,
+                    shared,
+                })
+            }
+            .await;
+            let _ = tx.send(made);
+        });
+        let worker = rx.await.map_err(|e| NodeError::Runtime(e.to_string()))??;
+        workers.push((arbiter, worker));
+    }
+
+    let health = Arc::new(Health::default());
+    let restarts = Arc::new(AtomicU64::new(0));
+    let settings = SupervisorSettings {
+        node_id: node_id.clone(),
+        heartbeat: config.node.heartbeat(),
+        lease: config.node.lease(),
+        wake: WakePolicy {
+            busy_poll: config.relay.busy_poll(),
+            idle_after: config.relay.idle_after(),
+            poll_interval: config.relay.poll_interval(),
+        },
+        transient_backoff: (
+            Duration::from_millis(100),
+            config.relay.transient_backoff_max(),
+        ),
+        shutdown_timeout: config.relay.shutdown_timeout(),
+        database_url: db_url.clone(),
+    };
+    let supervisor = NodeSupervisor::new(
+        settings,
+        store.clone(),
+        publisher.clone(),
+        workers,
+        health.clone(),
+        restarts.clone(),
+    )
+    .start();
+
+    let listen = config
+        .admin
+        .listen_addr()
+        .map_err(|e| NodeError::Config(format!("admin.listen: {e}")))?;
+    let admin_addr =
+        crate::admin::serve(listen, health.clone()).map_err(|source| NodeError::Bind {
+            addr: listen,
+            source,
+        })?;
+    tracing::info!(node = %node_id, workers = workers_n, admin = ?admin_addr, "node started");
+    Ok(Booted {
+        node_id,
+        supervisor,
+        health,
+        restarts,
+        admin_addr,
+    })
+}

@@ -1,0 +1,232 @@
+//! The partition actor: runs batches for one partition it holds a lease on.
+//!
+//! State lives in the database; the actor only remembers whether a batch is running. It is
+//! `Supervised`: a panic inside a batch is caught, the actor stops and its supervisor restarts it
+//! with the same lease, and it simply claims again (rows are still pending). It never stops by
+//! itself for any other reason: when the lease is lost or a stop is requested, it finishes its
+//! batch, reports to the node supervisor and goes quiet; the supervisor then drops its address,
+//! which ends it for good.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use actix::prelude::*;
+use futures::FutureExt;
+use metrics::counter;
+
+use super::backoff;
+use super::batch::{BatchError, BatchOutcome, Worker, run_batch};
+use crate::metrics as m;
+use crate::store::LeaseRef;
+
+/// Wake up: there may be rows to publish.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct Wake;
+
+/// Finish the batch in flight, then report [`PartitionReport::Stopped`].
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct Stop;
+
+/// What a partition actor tells the node supervisor.
+#[derive(Debug, Clone, Message)]
+#[rtype(result = "()")]
+pub enum PartitionReport {
+    /// Drained: nothing ready right now.
+    Idle(i32),
+    /// Stopped at the supervisor's request; its batch is finished or abandoned.
+    Stopped(i32),
+    /// The lease is gone; the actor has stopped working.
+    LeaseLost(i32, String),
+    /// Database or Redis trouble; the actor backs off and retries by itself.
+    Backoff(i32, String),
+}
+
+/// One partition's actor.
+pub struct PartitionActor {
+    lease: LeaseRef,
+    worker: Worker,
+    report: Recipient<PartitionReport>,
+    /// Transient-failure back-off.
+    transient_base: Duration,
+    transient_max: Duration,
+    /// Counts restarts after panics (shared with the supervisor, for tests and status).
+    restarts: Arc<AtomicU64>,
+    running: bool,
+    backing_off: bool,
+    again: bool,
+    stopping: bool,
+    retired: bool,
+    failures: u32,
+}
+
+impl std::fmt::Debug for PartitionActor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PartitionActor")
+            .field("lease", &self.lease)
+            .field("running", &self.running)
+            .field("stopping", &self.stopping)
+            .field("retired", &self.retired)
+            .finish()
+    }
+}
+
+impl PartitionActor {
+    /// A new actor for `lease`.
+    pub fn new(
+        lease: LeaseRef,
+        worker: Worker,
+        report: Recipient<PartitionReport>,
+        transient: (Duration, Duration),
+        restarts: Arc<AtomicU64>,
+    ) -> Self {
+        Self {
+            lease,
+            worker,
+            report,
+            transient_base: transient.0,
+            transient_max: transient.1,
+            restarts,
+            running: false,
+            backing_off: false,
+            again: false,
+            stopping: false,
+            retired: false,
+            failures: 0,
+        }
+    }
+
+    fn next_batch(&mut self, ctx: &mut Context<Self>) {
+        if self.retired {
+            return;
+        }
+        if self.stopping {
+            self.finish();
+            return;
+        }
+        self.running = true;
+        self.again = false;
+        let (worker, lease) = (self.worker.clone(), self.lease.clone());
+        let fut = async move {
+            fail::fail_point!("actor-panic");
+            run_batch(&worker, &lease).await
+        };
+        let fut = AssertUnwindSafe(fut).catch_unwind();
+        ctx.spawn(
+            fut.into_actor(self)
+                .map(|res, act, ctx| act.after_batch(res, ctx)),
+        );
+    }
+
+    fn after_batch(
+        &mut self,
+        res: Result<Result<BatchOutcome, BatchError>, Box<dyn std::any::Any + Send>>,
+        ctx: &mut Context<Self>,
+    ) {
+        self.running = false;
+        let p = self.lease.partition;
+        match res {
+            Err(panic) => {
+                let what = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_owned())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_default();
+                tracing::error!(partition = p, panic = %what, "partition actor panicked; restarting");
+                self.restarts.fetch_add(1, Ordering::Relaxed);
+                counter!(m::ACTOR_RESTARTS).increment(1);
+                ctx.stop();
+            }
+            Ok(Ok(outcome)) => {
+                self.failures = 0;
+                let more = matches!(outcome, BatchOutcome::Done { full: true, .. });
+                if self.stopping {
+                    self.finish();
+                } else if more || self.again || matches!(outcome, BatchOutcome::Done { .. }) {
+                    // After a batch that found rows, look once more: rows may have committed
+                    // meanwhile. An empty claim ends the run.
+                    self.next_batch(ctx);
+                } else {
+                    self.report.do_send(PartitionReport::Idle(p));
+                }
+            }
+            Ok(Err(BatchError::LeaseLost(why))) => {
+                tracing::warn!(partition = p, %why, "lease lost; stopping work on the partition");
+                self.retired = true;
+                self.report.do_send(PartitionReport::LeaseLost(p, why));
+            }
+            Ok(Err(BatchError::Transient(why))) => {
+                self.failures = self.failures.saturating_add(1);
+                let wait = backoff::delay(
+                    self.failures,
+                    self.transient_base,
+                    self.transient_max,
+                    &mut rand::rng(),
+                );
+                tracing::warn!(partition = p, %why, ?wait, "transient failure; backing off");
+                self.report.do_send(PartitionReport::Backoff(p, why));
+                if self.stopping {
+                    self.finish();
+                } else {
+                    self.backing_off = true;
+                    ctx.run_later(wait, |act, ctx| {
+                        act.backing_off = false;
+                        act.next_batch(ctx);
+                    });
+                }
+            }
+        }
+    }
+
+    fn finish(&mut self) {
+        if !self.retired {
+            self.retired = true;
+            self.report
+                .do_send(PartitionReport::Stopped(self.lease.partition));
+        }
+    }
+}
+
+impl Actor for PartitionActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        // Fresh start or restart after a panic: the database says what is ready.
+        self.next_batch(ctx);
+    }
+}
+
+impl Supervised for PartitionActor {
+    fn restarting(&mut self, _ctx: &mut Context<Self>) {
+        self.running = false;
+        self.backing_off = false;
+        self.again = false;
+    }
+}
+
+impl Handler<Wake> for PartitionActor {
+    type Result = ();
+
+    fn handle(&mut self, _: Wake, ctx: &mut Context<Self>) {
+        if self.running {
+            self.again = true;
+        } else if !self.backing_off {
+            self.next_batch(ctx);
+        }
+    }
+}
+
+impl Handler<Stop> for PartitionActor {
+    type Result = ();
+
+    fn handle(&mut self, _: Stop, _ctx: &mut Context<Self>) {
+        self.stopping = true;
+        // A batch in flight finishes first; a back-off wait does not need to.
+        if !self.running {
+            self.finish();
+        }
+    }
+}

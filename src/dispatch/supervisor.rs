@@ -1,0 +1,709 @@
+//! The node supervisor: membership, leases, wake-ups, and the partition actors.
+//!
+//! - **Leases.** Every `node.heartbeat_ms` one statement refreshes the node's heartbeat and
+//!   renews its leases (database clock). The node then takes its fair share, ⌈partitions / live
+//!   nodes⌉: it acquires free or expired partitions (bumping their epoch) when below it, and
+//!   hands extras over — stop the actor, let its batch finish, release the lease — when above it.
+//!   A lease missing from the renewal was taken over: its actor is dropped at once (anything it
+//!   still tries is fenced). Publishing also stops locally when renewals fail for longer than
+//!   the lease minus a margin ([`LeaseDeadline`](super::batch::LeaseDeadline)).
+//! - **Wake-ups.** See [`super::wakeup`]: busy polls for ready partitions among the idle ones,
+//!   nudges from producers while idle, a scheduled poll for missed nudges.
+//! - **Shutdown.** Stop polling, ask every actor to stop after its batch, release every lease
+//!   (the next owner starts at once), deregister; partitions whose batch does not finish by the
+//!   deadline are released anyway — their late publishes are fenced.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+use metrics::{counter, gauge};
+use tokio::sync::oneshot;
+
+use super::batch::Worker;
+use super::partition::{PartitionActor, PartitionReport, Stop, Wake};
+use super::wakeup::{Action, WakePolicy, Wakeup};
+use crate::metrics as m;
+use crate::publish::Publisher;
+use crate::store::{Lease, LeaseRef, Nudge, NudgeListener, Store};
+
+/// What readiness and liveness report; updated by the supervisor.
+#[derive(Debug, Default)]
+pub struct Health {
+    /// The last lease tick reached the database.
+    pub database: AtomicBool,
+    /// The last ping reached Redis.
+    pub redis: AtomicBool,
+    /// The supervisor is running (not shutting down).
+    pub running: AtomicBool,
+    /// Leases held.
+    pub leases: AtomicU64,
+}
+
+impl Health {
+    /// Ready to do work: database and Redis reachable, supervisor running.
+    pub fn ready(&self) -> bool {
+        self.database.load(Ordering::Relaxed)
+            && self.redis.load(Ordering::Relaxed)
+            && self.running.load(Ordering::Relaxed)
+    }
+}
+
+/// The supervisor's timing and identity.
+#[derive(Debug, Clone)]
+pub struct SupervisorSettings {
+    /// This node's id.
+    pub node_id: String,
+    /// Heartbeat and lease renewal period.
+    pub heartbeat: Duration,
+    /// Lease length (database clock).
+    pub lease: Duration,
+    /// Wake-up timing.
+    pub wake: WakePolicy,
+    /// Transient back-off of partition actors: (base, max).
+    pub transient_backoff: (Duration, Duration),
+    /// Longest graceful shutdown.
+    pub shutdown_timeout: Duration,
+    /// URL for the LISTEN connection.
+    pub database_url: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SlotState {
+    /// A batch run is (or may be) in progress.
+    Busy,
+    /// Drained; waiting for a wake-up.
+    Idle,
+    /// Paused by an operator: lease kept, no actor.
+    Paused,
+    /// Asked to stop; then release the lease (`true`) or keep it paused (`false`).
+    Stopping { release: bool },
+}
+
+#[derive(Debug)]
+struct Slot {
+    lease: Lease,
+    addr: Option<Addr<PartitionActor>>,
+    state: SlotState,
+}
+
+/// Ask the supervisor to shut down gracefully; `done` fires when it has.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct Shutdown {
+    /// Fired once every lease is released and the node deregistered.
+    pub done: oneshot::Sender<()>,
+}
+
+/// Partitions this node currently owns, with their epochs.
+#[derive(Debug, Message)]
+#[rtype(result = "Vec<(i32, i64)>")]
+pub struct OwnedPartitions;
+
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+struct Nudged(Nudge);
+
+/// The node supervisor actor.
+pub struct NodeSupervisor {
+    settings: SupervisorSettings,
+    store: Store,
+    publisher: Publisher,
+    workers: Vec<(ArbiterHandle, Worker)>,
+    slots: BTreeMap<i32, Slot>,
+    wake: Wakeup,
+    poll_timer: Option<SpawnHandle>,
+    health: Arc<Health>,
+    restarts: Arc<AtomicU64>,
+    ticking: bool,
+    polling: bool,
+    shutdown: Option<oneshot::Sender<()>>,
+    to_release: Vec<Lease>,
+    worked_since_backlog: bool,
+    last_backlog: Instant,
+}
+
+impl std::fmt::Debug for NodeSupervisor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodeSupervisor")
+            .field("node_id", &self.settings.node_id)
+            .field("partitions", &self.slots.len())
+            .finish()
+    }
+}
+
+impl NodeSupervisor {
+    /// A supervisor over `workers` (one per arbiter).
+    pub fn new(
+        settings: SupervisorSettings,
+        store: Store,
+        publisher: Publisher,
+        workers: Vec<(ArbiterHandle, Worker)>,
+        health: Arc<Health>,
+        restarts: Arc<AtomicU64>,
+    ) -> Self {
+        let wake = Wakeup::new(settings.wake, Instant::now());
+        Self {
+            settings,
+            store,
+            publisher,
+            workers,
+            slots: BTreeMap::new(),
+            wake,
+            poll_timer: None,
+            health,
+            restarts,
+            ticking: false,
+            polling: false,
+            shutdown: None,
+            to_release: Vec::new(),
+            worked_since_backlog: true,
+            last_backlog: Instant::now(),
+        }
+    }
+
+    fn shutting_down(&self) -> bool {
+        self.shutdown.is_some()
+    }
+
+    fn lease_ref(&self, lease: &Lease) -> LeaseRef {
+        LeaseRef {
+            partition: lease.partition,
+            node_id: self.settings.node_id.clone(),
+            epoch: lease.epoch,
+        }
+    }
+
+    fn start_actor(&mut self, lease: Lease, ctx: &mut Context<Self>) {
+        if lease.paused {
+            self.slots.insert(
+                lease.partition,
+                Slot {
+                    lease,
+                    addr: None,
+                    state: SlotState::Paused,
+                },
+            );
+            return;
+        }
+        let idx = usize::try_from(lease.partition).unwrap_or(0) % self.workers.len().max(1);
+        let Some((arbiter, worker)) = self.workers.get(idx) else {
+            return;
+        };
+        let (lease_ref, worker) = (self.lease_ref(&lease), worker.clone());
+        let report = ctx.address().recipient();
+        let (transient, restarts) = (self.settings.transient_backoff, self.restarts.clone());
+        let addr = actix::Supervisor::start_in_arbiter(arbiter, move |_| {
+            PartitionActor::new(lease_ref, worker, report, transient, restarts)
+        });
+        self.slots.insert(
+            lease.partition,
+            Slot {
+                lease,
+                addr: Some(addr),
+                state: SlotState::Busy,
+            },
+        );
+    }
+
+    /// Asks a partition's actor to stop; `release` gives the lease back once it has.
+    fn stop_slot(&mut self, partition: i32, release: bool) {
+        let Some(slot) = self.slots.get_mut(&partition) else {
+            return;
+        };
+        match (&slot.addr, slot.state) {
+            (_, SlotState::Stopping { .. }) => slot.state = SlotState::Stopping { release },
+            (Some(addr), _) => {
+                addr.do_send(Stop);
+                slot.state = SlotState::Stopping { release };
+            }
+            (None, _) => {
+                if release {
+                    let lease = slot.lease;
+                    self.slots.remove(&partition);
+                    self.to_release.push(lease);
+                }
+            }
+        }
+    }
+
+    fn on_tick(&mut self, held: Vec<Lease>, live: u32, partitions: u32, ctx: &mut Context<Self>) {
+        let held_now: BTreeMap<i32, Lease> = held.iter().map(|l| (l.partition, *l)).collect();
+        // Leases taken over by another node: drop the actor; anything it still does is fenced.
+        let lost: Vec<i32> = self
+            .slots
+            .keys()
+            .filter(|p| {
+                held_now.get(p).map(|l| l.epoch) != self.slots.get(p).map(|s| s.lease.epoch)
+            })
+            .copied()
+            .collect();
+        for p in lost {
+            tracing::warn!(partition = p, "lease taken over by another node");
+            self.slots.remove(&p);
+        }
+        // Pause and resume, as recorded in the database.
+        let changes: Vec<(i32, bool)> = held_now
+            .values()
+            .filter_map(|l| {
+                self.slots
+                    .get(&l.partition)
+                    .map(|s| (l.partition, l.paused, s.state))
+            })
+            .filter_map(|(p, paused, state)| match (paused, state) {
+                (true, SlotState::Busy | SlotState::Idle) => Some((p, true)),
+                (false, SlotState::Paused) => Some((p, false)),
+                _ => None,
+            })
+            .collect();
+        for (p, pause) in changes {
+            if let Some(slot) = self.slots.get_mut(&p) {
+                slot.lease.paused = pause;
+            }
+            if pause {
+                tracing::info!(partition = p, "partition paused");
+                self.stop_slot(p, false);
+            } else if let Some(slot) = self.slots.remove(&p) {
+                tracing::info!(partition = p, "partition resumed");
+                self.start_actor(slot.lease, ctx);
+            }
+        }
+        if self.shutting_down() {
+            return;
+        }
+        // Fair share.
+        let target = partitions.div_ceil(live.max(1)) as usize;
+        let mine = self.slots.len();
+        if mine > target {
+            let extras: Vec<i32> = self
+                .slots
+                .keys()
+                .rev()
+                .take(mine - target)
+                .copied()
+                .collect();
+            for p in extras {
+                tracing::info!(partition = p, "handing partition over (fair share)");
+                self.stop_slot(p, true);
+            }
+        } else if mine < target {
+            let holding: Vec<i32> = self.slots.keys().copied().collect();
+            let want = u32::try_from(target - mine).unwrap_or(u32::MAX);
+            let (store, node, lease_ms) = (
+                self.store.clone(),
+                self.settings.node_id.clone(),
+                ms(self.settings.lease),
+            );
+            // No tick may start before the new leases are in `slots`: it would take them for lost.
+            self.ticking = true;
+            ctx.spawn(
+                async move {
+                    store
+                        .acquire_partitions(&node, lease_ms, &holding, want)
+                        .await
+                }
+                .into_actor(self)
+                .map(|res, act, ctx| match res {
+                    Ok(leases) => {
+                        act.ticking = false;
+                        for l in leases {
+                            if act.shutting_down() {
+                                act.to_release.push(l);
+                            } else {
+                                tracing::info!(
+                                    partition = l.partition,
+                                    epoch = l.epoch,
+                                    "lease acquired"
+                                );
+                                act.start_actor(l, ctx);
+                            }
+                        }
+                        act.update_gauges();
+                    }
+                    Err(e) => {
+                        act.ticking = false;
+                        tracing::warn!(error = %e, "acquiring partitions failed");
+                    }
+                }),
+            );
+        }
+        self.update_gauges();
+    }
+
+    fn update_gauges(&self) {
+        let paused = self.slots.values().filter(|s| s.lease.paused).count();
+        gauge!(m::LEASES_HELD).set(self.slots.len() as f64);
+        gauge!(m::PARTITIONS_PAUSED).set(paused as f64);
+        self.health
+            .leases
+            .store(self.slots.len() as u64, Ordering::Relaxed);
+    }
+
+    fn tick(&mut self, ctx: &mut Context<Self>) {
+        if self.ticking {
+            return;
+        }
+        self.ticking = true;
+        let (store, publisher) = (self.store.clone(), self.publisher.clone());
+        let node = self.settings.node_id.clone();
+        let lease_ms = ms(self.settings.lease);
+        let started = Instant::now();
+        ctx.spawn(
+            async move {
+                let redis_ok = publisher.ping().await.is_ok();
+                (store.lease_tick(&node, lease_ms, lease_ms).await, redis_ok)
+            }
+            .into_actor(self)
+            .map(move |(res, redis_ok), act, ctx| {
+                act.ticking = false;
+                act.health.redis.store(redis_ok, Ordering::Relaxed);
+                match res {
+                    Ok(tick) => {
+                        act.health.database.store(true, Ordering::Relaxed);
+                        // Keep a margin of one heartbeat plus a fifth of the lease.
+                        let margin = act.settings.heartbeat + act.settings.lease / 5;
+                        let until = started + act.settings.lease.saturating_sub(margin);
+                        for (_, w) in &act.workers {
+                            w.shared.deadline.extend_to(until);
+                        }
+                        act.on_tick(tick.held, tick.live_nodes, tick.partitions, ctx);
+                    }
+                    Err(e) => {
+                        act.health.database.store(false, Ordering::Relaxed);
+                        tracing::warn!(error = %e, "heartbeat and lease renewal failed");
+                    }
+                }
+                act.refresh_backlog(ctx);
+            }),
+        );
+    }
+
+    /// Backlog gauges: refreshed at most every 15 s, and only after work was done, so an idle
+    /// node stays within its query budget.
+    fn refresh_backlog(&mut self, ctx: &mut Context<Self>) {
+        if !self.worked_since_backlog || self.last_backlog.elapsed() < Duration::from_secs(15) {
+            return;
+        }
+        self.worked_since_backlog = false;
+        self.last_backlog = Instant::now();
+        let store = self.store.clone();
+        ctx.spawn(
+            async move { crate::store::backlog(&store).await }
+                .into_actor(self)
+                .map(|res, _act, _ctx| {
+                    if let Ok(b) = res {
+                        for s in [
+                            "pending",
+                            "retry_wait",
+                            "held",
+                            "published",
+                            "quarantined",
+                            "discarded",
+                            "no_destination",
+                        ] {
+                            let rows = b
+                                .by_status
+                                .iter()
+                                .find(|c| c.status == s)
+                                .map_or(0, |c| c.rows);
+                            gauge!(m::BACKLOG, "state" => s).set(rows as f64);
+                        }
+                        gauge!(m::OLDEST_PENDING_AGE).set(b.oldest_pending_age_secs.unwrap_or(0.0));
+                    }
+                }),
+        );
+    }
+
+    fn schedule_poll(&mut self, ctx: &mut Context<Self>, after: Duration) {
+        if let Some(h) = self.poll_timer.take() {
+            ctx.cancel_future(h);
+        }
+        if self.shutting_down() {
+            return;
+        }
+        self.poll_timer = Some(ctx.run_later(after, |act, ctx| {
+            act.poll_timer = None;
+            act.poll(ctx);
+        }));
+    }
+
+    fn poll(&mut self, ctx: &mut Context<Self>) {
+        if self.polling || self.shutting_down() {
+            return;
+        }
+        let idle: Vec<i32> = self
+            .slots
+            .iter()
+            .filter(|(_, s)| s.state == SlotState::Idle)
+            .map(|(p, _)| *p)
+            .collect();
+        let busy = self.slots.values().any(|s| s.state == SlotState::Busy);
+        self.polling = true;
+        let store = self.store.clone();
+        ctx.spawn(
+            async move { store.ready_partitions(&idle).await }
+                .into_actor(self)
+                .map(move |res, act, ctx| {
+                    act.polling = false;
+                    let ready = res.unwrap_or_else(|e| {
+                        tracing::warn!(error = %e, "polling for ready partitions failed");
+                        Vec::new()
+                    });
+                    for p in &ready {
+                        act.wake_partition(*p);
+                    }
+                    let action = act.wake.polled(busy || !ready.is_empty(), Instant::now());
+                    act.apply(action, ctx);
+                    let wait = act.wake.next_wait();
+                    act.schedule_poll(ctx, wait);
+                }),
+        );
+    }
+
+    fn wake_partition(&mut self, p: i32) {
+        if let Some(slot) = self.slots.get_mut(&p)
+            && let (Some(addr), SlotState::Idle | SlotState::Busy) = (&slot.addr, slot.state)
+        {
+            addr.do_send(Wake);
+            slot.state = SlotState::Busy;
+            self.worked_since_backlog = true;
+        }
+    }
+
+    fn apply(&mut self, action: Action, ctx: &mut Context<Self>) {
+        let wants = match action {
+            Action::None => return,
+            Action::AskForNudges => true,
+            Action::StopNudges => false,
+        };
+        let (store, node) = (self.store.clone(), self.settings.node_id.clone());
+        ctx.spawn(
+            async move { store.set_wants_nudge(&node, wants).await }
+                .into_actor(self)
+                .map(move |res, act, ctx| match res {
+                    // Entering idle: poll once more, so a commit that raced with the flag is
+                    // not left waiting for the scheduled poll.
+                    Ok(()) if wants => act.schedule_poll(ctx, Duration::ZERO),
+                    Ok(()) => {}
+                    Err(e) => tracing::warn!(error = %e, "updating wants_nudge failed"),
+                }),
+        );
+    }
+
+    /// The LISTEN loop runs as a future of this actor, so it is dropped with the actor, inside
+    /// the runtime (its connection's destructor needs one).
+    fn spawn_listener(&self, ctx: &mut Context<Self>) {
+        let url = self.settings.database_url.clone();
+        let me = ctx.address();
+        let fut = async move {
+            loop {
+                match NudgeListener::connect(&url).await {
+                    Ok(mut listener) => {
+                        me.do_send(Nudged(Nudge::MaybeMissed));
+                        loop {
+                            match listener.recv().await {
+                                Ok(n) => me.do_send(Nudged(n)),
+                                Err(e) => {
+                                    tracing::warn!(error = %e, "nudge listener lost its connection");
+                                    break;
+                                }
+                            }
+                        }
+                    }
+                    Err(e) => tracing::warn!(error = %e, "cannot listen for nudges; polling only"),
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        };
+        ctx.spawn(actix::fut::wrap_future::<_, Self>(fut));
+    }
+
+    fn maybe_finish_shutdown(&mut self, ctx: &mut Context<Self>) {
+        if !self.shutting_down() {
+            return;
+        }
+        let stopping = self
+            .slots
+            .values()
+            .any(|s| matches!(s.state, SlotState::Stopping { .. }));
+        if stopping {
+            return;
+        }
+        let mut leases: Vec<Lease> = std::mem::take(&mut self.to_release);
+        leases.extend(
+            std::mem::take(&mut self.slots)
+                .into_values()
+                .map(|s| s.lease),
+        );
+        self.finish_shutdown(leases, ctx);
+    }
+
+    fn finish_shutdown(&mut self, leases: Vec<Lease>, ctx: &mut Context<Self>) {
+        let (store, node) = (self.store.clone(), self.settings.node_id.clone());
+        ctx.wait(
+            async move {
+                if let Err(e) = store.release_partitions(&node, &leases).await {
+                    tracing::warn!(error = %e, "releasing leases failed; they will expire");
+                }
+                if let Err(e) = store.deregister_node(&node).await {
+                    tracing::warn!(error = %e, "deregistering the node failed");
+                }
+                leases.len()
+            }
+            .into_actor(self)
+            .map(|released, act, ctx| {
+                tracing::info!(released, "shutdown complete: leases released");
+                act.update_gauges();
+                if let Some(done) = act.shutdown.take() {
+                    let _ = done.send(());
+                }
+                ctx.stop();
+            }),
+        );
+    }
+
+    fn release_pending(&mut self, ctx: &mut Context<Self>) {
+        if self.to_release.is_empty() || self.shutting_down() {
+            return;
+        }
+        let leases = std::mem::take(&mut self.to_release);
+        let (store, node) = (self.store.clone(), self.settings.node_id.clone());
+        ctx.spawn(
+            async move { store.release_partitions(&node, &leases).await }
+                .into_actor(self)
+                .map(|res, _act, _ctx| {
+                    if let Err(e) = res {
+                        tracing::warn!(error = %e, "releasing a lease failed; it will expire");
+                    }
+                }),
+        );
+    }
+}
+
+impl Actor for NodeSupervisor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        self.health.running.store(true, Ordering::Relaxed);
+        self.tick(ctx);
+        ctx.run_interval(self.settings.heartbeat, |act, ctx| act.tick(ctx));
+        self.spawn_listener(ctx);
+        self.schedule_poll(ctx, self.settings.wake.busy_poll);
+    }
+
+    fn stopped(&mut self, _ctx: &mut Context<Self>) {
+        self.health.running.store(false, Ordering::Relaxed);
+    }
+}
+
+impl Handler<PartitionReport> for NodeSupervisor {
+    type Result = ();
+
+    fn handle(&mut self, report: PartitionReport, ctx: &mut Context<Self>) {
+        match report {
+            PartitionReport::Idle(p) => {
+                if let Some(slot) = self.slots.get_mut(&p)
+                    && slot.state == SlotState::Busy
+                {
+                    slot.state = SlotState::Idle;
+                }
+            }
+            PartitionReport::Backoff(..) => {}
+            PartitionReport::LeaseLost(p, _) => {
+                self.slots.remove(&p);
+                self.update_gauges();
+            }
+            PartitionReport::Stopped(p) => {
+                if let Some(slot) = self.slots.get_mut(&p) {
+                    slot.addr = None;
+                    match slot.state {
+                        SlotState::Stopping { release: true } => {
+                            if let Some(slot) = self.slots.remove(&p) {
+                                self.to_release.push(slot.lease);
+                            }
+                        }
+                        _ => slot.state = SlotState::Paused,
+                    }
+                }
+                self.release_pending(ctx);
+                self.maybe_finish_shutdown(ctx);
+            }
+        }
+    }
+}
+
+impl Handler<Nudged> for NodeSupervisor {
+    type Result = ();
+
+    fn handle(&mut self, msg: Nudged, ctx: &mut Context<Self>) {
+        if self.shutting_down() {
+            return;
+        }
+        match msg.0 {
+            Nudge::Partitions(ps) => {
+                counter!(m::NUDGES).increment(1);
+                for p in ps {
+                    self.wake_partition(p);
+                }
+                let action = self.wake.nudged(Instant::now());
+                self.apply(action, ctx);
+                let wait = self.wake.next_wait();
+                self.schedule_poll(ctx, wait);
+            }
+            Nudge::MaybeMissed => self.schedule_poll(ctx, Duration::ZERO),
+        }
+    }
+}
+
+impl Handler<Shutdown> for NodeSupervisor {
+    type Result = ();
+
+    fn handle(&mut self, msg: Shutdown, ctx: &mut Context<Self>) {
+        if self.shutting_down() {
+            let _ = msg.done.send(());
+            return;
+        }
+        tracing::info!("shutting down: finishing in-flight batches");
+        self.health.running.store(false, Ordering::Relaxed);
+        self.shutdown = Some(msg.done);
+        if let Some(h) = self.poll_timer.take() {
+            ctx.cancel_future(h);
+        }
+        let partitions: Vec<i32> = self.slots.keys().copied().collect();
+        for p in partitions {
+            self.stop_slot(p, true);
+        }
+        ctx.run_later(self.settings.shutdown_timeout, |act, ctx| {
+            if act.shutdown.is_some() {
+                tracing::warn!("shutdown deadline reached; releasing leases of unfinished batches");
+                let mut leases: Vec<Lease> = std::mem::take(&mut act.to_release);
+                leases.extend(
+                    std::mem::take(&mut act.slots)
+                        .into_values()
+                        .map(|s| s.lease),
+                );
+                act.finish_shutdown(leases, ctx);
+            }
+        });
+        self.maybe_finish_shutdown(ctx);
+    }
+}
+
+impl Handler<OwnedPartitions> for NodeSupervisor {
+    type Result = MessageResult<OwnedPartitions>;
+
+    fn handle(&mut self, _: OwnedPartitions, _: &mut Context<Self>) -> Self::Result {
+        MessageResult(
+            self.slots
+                .values()
+                .map(|s| (s.lease.partition, s.lease.epoch))
+                .collect(),
+        )
+    }
+}
+
+fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}

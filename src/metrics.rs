@@ -1,0 +1,131 @@
+//! Metrics: names, descriptions and the Prometheus exporter.
+//!
+//! Labels are low-cardinality only (failure kind and code, backlog state); never ids, streams or
+//! aggregate names. Every metric is described here so `/metrics` explains itself.
+
+use std::sync::OnceLock;
+
+use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+
+/// Events appended to a stream.
+pub const PUBLISHED: &str = "outpost_events_published_total";
+/// Publishing failures, labelled `kind` (`transient`|`permanent`) and `code` (Redis error code or
+/// Outpost's own: `IO`, `OVERSIZE`, `UNROUTABLE`, `ENCODING`).
+pub const FAILURES: &str = "outpost_publish_failures_total";
+/// Events scheduled for another attempt.
+pub const RETRIES: &str = "outpost_retries_total";
+/// Events quarantined after `relay.max_attempts`.
+pub const QUARANTINED: &str = "outpost_events_quarantined_total";
+/// Events that routing sends nowhere.
+pub const NO_DESTINATION: &str = "outpost_events_no_destination_total";
+/// Times a batch waited for a rate-limit permit.
+pub const RATE_LIMITED_WAITS: &str = "outpost_rate_limited_waits_total";
+/// Rows by state (`state` label), refreshed by the supervisor.
+pub const BACKLOG: &str = "outpost_backlog_events";
+/// Age of the oldest undelivered event: the alert.
+pub const OLDEST_PENDING_AGE: &str = "outpost_oldest_pending_age_seconds";
+/// Claim query latency.
+pub const CLAIM_SECONDS: &str = "outpost_claim_duration_seconds";
+/// Publish (pipelined script calls) latency.
+pub const PUBLISH_SECONDS: &str = "outpost_publish_duration_seconds";
+/// Mark transaction latency.
+pub const MARK_SECONDS: &str = "outpost_mark_duration_seconds";
+/// From insert (database clock) to Redis acknowledgement.
+pub const COMMIT_TO_PUBLISH_SECONDS: &str = "outpost_commit_to_publish_seconds";
+/// Partition leases held by this node.
+pub const LEASES_HELD: &str = "outpost_leases_held";
+/// Paused partitions owned by this node.
+pub const PARTITIONS_PAUSED: &str = "outpost_partitions_paused";
+/// Publishes or marks rejected because the lease was lost (`at` = `redis`|`database`).
+pub const FENCED: &str = "outpost_fenced_total";
+/// Partition actors restarted after a panic.
+pub const ACTOR_RESTARTS: &str = "outpost_partition_restarts_total";
+/// Nudges received from producers.
+pub const NUDGES: &str = "outpost_nudges_total";
+
+static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
+
+const LATENCY_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0,
+];
+
+/// Installs the process-wide Prometheus recorder once and returns its handle (`None` when another
+/// recorder was installed first, e.g. by an embedding application).
+pub fn install() -> Option<PrometheusHandle> {
+    HANDLE
+        .get_or_init(|| {
+            let handle = PrometheusBuilder::new()
+                .set_buckets(LATENCY_BUCKETS)
+                .ok()?
+                .install_recorder()
+                .ok()?;
+            describe();
+            Some(handle)
+        })
+        .clone()
+}
+
+fn describe() {
+    describe_counter!(PUBLISHED, Unit::Count, "Events appended to a stream.");
+    describe_counter!(
+        FAILURES,
+        Unit::Count,
+        "Publishing failures by kind and code."
+    );
+    describe_counter!(
+        RETRIES,
+        Unit::Count,
+        "Events scheduled for another attempt."
+    );
+    describe_counter!(
+        QUARANTINED,
+        Unit::Count,
+        "Events quarantined after max_attempts."
+    );
+    describe_counter!(NO_DESTINATION, Unit::Count, "Events routed nowhere.");
+    describe_counter!(
+        RATE_LIMITED_WAITS,
+        Unit::Count,
+        "Waits for a rate-limit permit."
+    );
+    describe_gauge!(BACKLOG, Unit::Count, "Outbox rows by state.");
+    describe_gauge!(
+        OLDEST_PENDING_AGE,
+        Unit::Seconds,
+        "Age of the oldest undelivered event."
+    );
+    describe_histogram!(CLAIM_SECONDS, Unit::Seconds, "Claim query latency.");
+    describe_histogram!(
+        PUBLISH_SECONDS,
+        Unit::Seconds,
+        "Publish latency (one pipelined call)."
+    );
+    describe_histogram!(MARK_SECONDS, Unit::Seconds, "Mark transaction latency.");
+    describe_histogram!(
+        COMMIT_TO_PUBLISH_SECONDS,
+        Unit::Seconds,
+        "From insert to Redis acknowledgement."
+    );
+    describe_gauge!(
+        LEASES_HELD,
+        Unit::Count,
+        "Partition leases held by this node."
+    );
+    describe_gauge!(
+        PARTITIONS_PAUSED,
+        Unit::Count,
+        "Paused partitions owned by this node."
+    );
+    describe_counter!(
+        FENCED,
+        Unit::Count,
+        "Publishes or marks rejected after a lost lease."
+    );
+    describe_counter!(
+        ACTOR_RESTARTS,
+        Unit::Count,
+        "Partition actors restarted after a panic."
+    );
+    describe_counter!(NUDGES, Unit::Count, "Nudges received from producers.");
+}

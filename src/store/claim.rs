@@ -1,0 +1,374 @@
+//! The relay's statements: claim ready rows of a partition, and record what became of them.
+//!
+//! A partition is owned by one node at a time (see `lease`), so claiming is a plain read: no row
+//! is locked or marked "in flight". What keeps two nodes apart is the lease epoch, checked when
+//! results are recorded ([`Store::record_batch`]) and at Redis when publishing.
+
+use sea_orm::{ConnectionTrait, TransactionTrait, Value};
+
+use super::sql::{num_array, text_array};
+use super::{Store, StoreError, stmt};
+
+/// A row claimed for publishing.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClaimedEvent {
+    /// Outbox row id.
+    pub id: i64,
+    /// Event identity.
+    pub event_id: uuid::Uuid,
+    /// Aggregate type.
+    pub aggregate_type: String,
+    /// Aggregate id.
+    pub aggregate_id: String,
+    /// Sequence within the aggregate.
+    pub aggregate_seq: i64,
+    /// Event type.
+    pub event_type: String,
+    /// Payload schema version.
+    pub schema_version: String,
+    /// When the fact happened (producer's clock).
+    pub occurred_at: chrono::DateTime<chrono::FixedOffset>,
+    /// When the row was inserted (database clock).
+    pub recorded_at: chrono::DateTime<chrono::FixedOffset>,
+    /// Payload as JSON text.
+    pub payload: String,
+    /// Headers as JSON text (an object of strings).
+    pub headers: String,
+    /// Explicit destination, if the producer set one.
+    pub destination: Option<String>,
+    /// Attempts made so far (non-zero for a retry).
+    pub attempts: i32,
+}
+
+/// The lease under which results are recorded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseRef {
+    /// Partition number.
+    pub partition: i32,
+    /// The owning node.
+    pub node_id: String,
+    /// The epoch (fencing token) the node acquired.
+    pub epoch: i64,
+}
+
+/// A row that failed permanently for its own reasons (wrong key type at its stream, too large,
+/// unroutable): it counts an attempt and holds back the rest of its aggregate.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FailedEvent {
+    /// Outbox row id.
+    pub id: i64,
+    /// Aggregate type.
+    pub aggregate_type: String,
+    /// Aggregate id.
+    pub aggregate_id: String,
+    /// Its sequence: later events of the aggregate are held.
+    pub aggregate_seq: i64,
+    /// What went wrong (stored in `last_error`).
+    pub error: String,
+    /// Delay before the next attempt, in milliseconds.
+    pub retry_in_ms: i64,
+}
+
+/// What became of a claimed batch.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BatchResult {
+    /// Published rows with their stream entry ids.
+    pub published: Vec<(i64, String)>,
+    /// Aggregates released by this batch: a row that had been retried was published, so its
+    /// aggregate's held rows become pending again. `(type, id, seq of the published row)`.
+    pub unblocked: Vec<(String, String, i64)>,
+    /// Rows that routing sends nowhere.
+    pub no_destination: Vec<i64>,
+    /// Rows that failed permanently.
+    pub failed: Vec<FailedEvent>,
+}
+
+/// How a recorded batch ended for the failed rows.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Recorded {
+    /// Rows moved to `retry_wait`.
+    pub retrying: u64,
+    /// Rows moved to `quarantined`.
+    pub quarantined: u64,
+}
+
+impl Store {
+    /// Ready rows of `partition` in id order (which, within an aggregate, is sequence order):
+    /// at most `max_rows` rows, and no more than `max_bytes` of payload and headers (always at
+    /// least one row, so an oversized event is still seen and dealt with).
+    pub async fn claim(
+        &self,
+        partition: i32,
+        max_rows: u32,
+        max_bytes: u64,
+    ) -> Result<Vec<ClaimedEvent>, StoreError> {
+        let rows = self
+            .connection()
+            .query_all_raw(stmt(
+                "SELECT id, event_id, aggregate_type, aggregate_id, aggregate_seq, event_type, \
+                        schema_version, occurred_at, recorded_at, payload::text, headers::text, \
+                        destination, attempts \
+                 FROM ( \
+                   SELECT e.*, \
+                          sum(pg_column_size(e.payload) + pg_column_size(e.headers)) \
+                            OVER (ORDER BY e.id) AS running, \
+                          row_number() OVER (ORDER BY e.id) AS n \
+                   FROM outpost_event e \
+                   WHERE e.partition = $1 AND e.status IN ('pending', 'retry_wait') \
+                     AND e.next_attempt_at <= now() \
+                   ORDER BY e.id LIMIT $2) t \
+                 WHERE t.n = 1 OR t.running <= $3 \
+                 ORDER BY id",
+                [
+                    partition.into(),
+                    i64::from(max_rows).into(),
+                    i64::try_from(max_bytes).unwrap_or(i64::MAX).into(),
+                ],
+            ))
+            .await
+            .map_err(StoreError::from_db)?;
+        rows.into_iter()
+            .map(|r| {
+                let g = |e| StoreError::from_db(e);
+                Ok(ClaimedEvent {
+                    id: r.try_get_by_index(0).map_err(g)?,
+                    event_id: r.try_get_by_index(1).map_err(g)?,
+                    aggregate_type: r.try_get_by_index(2).map_err(g)?,
+                    aggregate_id: r.try_get_by_index(3).map_err(g)?,
+                    aggregate_seq: r.try_get_by_index(4).map_err(g)?,
+                    event_type: r.try_get_by_index(5).map_err(g)?,
+                    schema_version: r.try_get_by_index(6).map_err(g)?,
+                    occurred_at: r.try_get_by_index(7).map_err(g)?,
+                    recorded_at: r.try_get_by_index(8).map_err(g)?,
+                    payload: r.try_get_by_index(9).map_err(g)?,
+                    headers: r.try_get_by_index(10).map_err(g)?,
+                    destination: r.try_get_by_index(11).map_err(g)?,
+                    attempts: r.try_get_by_index(12).map_err(g)?,
+                })
+            })
+            .collect()
+    }
+
+    /// Records a batch's results in one transaction, guarded by the lease: if `lease` is no
+    /// longer the partition's owner and epoch, nothing is recorded and
+    /// [`StoreError::LeaseLost`] is returned.
+    ///
+    /// Published rows become `published` (or are deleted when `delete_published`); rows with no
+    /// destination become `no_destination`; failed rows count an attempt and become `retry_wait`,
+    /// or `quarantined` once `max_attempts` is reached, and their aggregates' later rows become
+    /// `held`. Aggregates in `unblocked` have their held rows made `pending` again.
+    pub async fn record_batch(
+        &self,
+        lease: &LeaseRef,
+        result: &BatchResult,
+        delete_published: bool,
+        max_attempts: u32,
+    ) -> Result<Recorded, StoreError> {
+        let txn = self
+            .connection()
+            .begin()
+            .await
+            .map_err(StoreError::from_db)?;
+        let held = txn
+            .query_one_raw(stmt(
+                "SELECT 1 FROM outpost_partition \
+                 WHERE partition = $1 AND owner = $2 AND epoch = $3 FOR SHARE",
+                [
+                    lease.partition.into(),
+                    lease.node_id.clone().into(),
+                    lease.epoch.into(),
+                ],
+            ))
+            .await
+            .map_err(StoreError::from_db)?;
+        if held.is_none() {
+            txn.rollback().await.map_err(StoreError::from_db)?;
+            return Err(StoreError::LeaseLost {
+                partition: lease.partition,
+                epoch: lease.epoch,
+            });
+        }
+        if !result.published.is_empty() {
+            let ids: Vec<i64> = result.published.iter().map(|(id, _)| *id).collect();
+            if delete_published {
+                txn.execute_raw(stmt(
+                    "DELETE FROM outpost_event WHERE id = ANY($1::int8[])",
+                    [num_array(&ids).into()],
+                ))
+                .await
+                .map_err(StoreError::from_db)?;
+            } else {
+                let sids: Vec<&str> = result.published.iter().map(|(_, s)| s.as_str()).collect();
+                txn.execute_raw(stmt(
+                    "UPDATE outpost_event e SET status = 'published', published_at = now(), \
+                       stream_id = v.sid, last_error = NULL \
+                     FROM unnest($1::int8[], $2::text[]) AS v(id, sid) WHERE e.id = v.id",
+                    [num_array(&ids).into(), text_array(&sids).into()],
+                ))
+                .await
+                .map_err(StoreError::from_db)?;
+            }
+        }
+        if !result.no_destination.is_empty() {
+            txn.execute_raw(stmt(
+                "UPDATE outpost_event SET status = 'no_destination' WHERE id = ANY($1::int8[])",
+                [num_array(&result.no_destination).into()],
+            ))
+            .await
+            .map_err(StoreError::from_db)?;
+        }
+        if !result.unblocked.is_empty() {
+            release_holds(&txn, &result.unblocked).await?;
+        }
+        let mut recorded = Recorded::default();
+        if !result.failed.is_empty() {
+            recorded = record_failures(&txn, &result.failed, max_attempts).await?;
+        }
+        txn.commit().await.map_err(StoreError::from_db)?;
+        Ok(recorded)
+    }
+
+    /// Releases a quarantined aggregate: its quarantined event goes back to `pending` with a
+    /// fresh attempt budget and its held successors follow, in order, all with their original
+    /// event ids. Returns the number of rows re-queued (0 when the aggregate was not held).
+    pub async fn release_aggregate(
+        &self,
+        aggregate_type: &str,
+        aggregate_id: &str,
+    ) -> Result<u64, StoreError> {
+        let txn = self
+            .connection()
+            .begin()
+            .await
+            .map_err(StoreError::from_db)?;
+        let blocked = txn
+            .query_one_raw(stmt(
+                "UPDATE outpost_aggregate SET blocked_seq = NULL \
+                 WHERE aggregate_type = $1 AND aggregate_id = $2 AND blocked_seq IS NOT NULL \
+                 RETURNING 1",
+                [aggregate_type.into(), aggregate_id.into()],
+            ))
+            .await
+            .map_err(StoreError::from_db)?;
+        if blocked.is_none() {
+            txn.rollback().await.map_err(StoreError::from_db)?;
+            return Ok(0);
+        }
+        // A new statement, so its snapshot includes rows committed while we waited for the
+        // aggregate's lock.
+        let res = txn
+            .execute_raw(stmt(
+                "UPDATE outpost_event SET status = 'pending', attempts = 0, \
+                   next_attempt_at = now(), last_error = CASE WHEN status = 'held' THEN NULL \
+                   ELSE last_error END \
+                 WHERE aggregate_type = $1 AND aggregate_id = $2 \
+                   AND status IN ('held', 'quarantined', 'retry_wait')",
+                [aggregate_type.into(), aggregate_id.into()],
+            ))
+            .await
+            .map_err(StoreError::from_db)?;
+        txn.commit().await.map_err(StoreError::from_db)?;
+        Ok(res.rows_affected())
+    }
+}
+
+async fn release_holds<C: ConnectionTrait>(
+    txn: &C,
+    unblocked: &[(String, String, i64)],
+) -> Result<(), StoreError> {
+    let (types, ids, seqs) = split3(unblocked);
+    txn.execute_raw(stmt(
+        "UPDATE outpost_aggregate a SET blocked_seq = NULL \
+         FROM unnest($1::text[], $2::text[], $3::int8[]) AS v(t, i, s) \
+         WHERE a.aggregate_type = v.t AND a.aggregate_id = v.i AND a.blocked_seq = v.s",
+        [types.clone(), ids.clone(), seqs],
+    ))
+    .await
+    .map_err(StoreError::from_db)?;
+    txn.execute_raw(stmt(
+        "UPDATE outpost_event e SET status = 'pending', next_attempt_at = now() \
+         FROM unnest($1::text[], $2::text[]) AS v(t, i) \
+         WHERE e.aggregate_type = v.t AND e.aggregate_id = v.i AND e.status = 'held'",
+        [types, ids],
+    ))
+    .await
+    .map_err(StoreError::from_db)?;
+    Ok(())
+}
+
+async fn record_failures<C: ConnectionTrait>(
+    txn: &C,
+    failed: &[FailedEvent],
+    max_attempts: u32,
+) -> Result<Recorded, StoreError> {
+    let triples: Vec<(String, String, i64)> = failed
+        .iter()
+        .map(|f| {
+            (
+                f.aggregate_type.clone(),
+                f.aggregate_id.clone(),
+                f.aggregate_seq,
+            )
+        })
+        .collect();
+    let (types, ids, seqs) = split3(&triples);
+    // Lock the aggregates first: producers writing to them wait, and see the hold when they go on.
+    txn.execute_raw(stmt(
+        "UPDATE outpost_aggregate a SET blocked_seq = v.s \
+         FROM unnest($1::text[], $2::text[], $3::int8[]) AS v(t, i, s) \
+         WHERE a.aggregate_type = v.t AND a.aggregate_id = v.i",
+        [types.clone(), ids.clone(), seqs.clone()],
+    ))
+    .await
+    .map_err(StoreError::from_db)?;
+    let row_ids: Vec<i64> = failed.iter().map(|f| f.id).collect();
+    let errors: Vec<&str> = failed.iter().map(|f| f.error.as_str()).collect();
+    let delays: Vec<i64> = failed.iter().map(|f| f.retry_in_ms).collect();
+    let outcome = txn
+        .query_all_raw(stmt(
+            "UPDATE outpost_event e SET attempts = e.attempts + 1, last_error = v.err, \
+               status = CASE WHEN e.attempts + 1 >= $4 THEN 'quarantined' ELSE 'retry_wait' END, \
+               next_attempt_at = now() + v.delay * interval '1 millisecond' \
+             FROM unnest($1::int8[], $2::text[], $3::int8[]) AS v(id, err, delay) \
+             WHERE e.id = v.id RETURNING e.status",
+            [
+                num_array(&row_ids).into(),
+                text_array(&errors).into(),
+                num_array(&delays).into(),
+                i32::try_from(max_attempts).unwrap_or(i32::MAX).into(),
+            ],
+        ))
+        .await
+        .map_err(StoreError::from_db)?;
+    let mut recorded = Recorded::default();
+    for r in outcome {
+        let status: String = r.try_get_by_index(0).map_err(StoreError::from_db)?;
+        if status == "quarantined" {
+            recorded.quarantined += 1;
+        } else {
+            recorded.retrying += 1;
+        }
+    }
+    // A new statement: its snapshot includes rows committed while we waited for the locks.
+    txn.execute_raw(stmt(
+        "UPDATE outpost_event e SET status = 'held' \
+         FROM unnest($1::text[], $2::text[], $3::int8[]) AS v(t, i, s) \
+         WHERE e.aggregate_type = v.t AND e.aggregate_id = v.i AND e.aggregate_seq > v.s \
+           AND e.status = 'pending'",
+        [types, ids, seqs],
+    ))
+    .await
+    .map_err(StoreError::from_db)?;
+    Ok(recorded)
+}
+
+fn split3(items: &[(String, String, i64)]) -> (Value, Value, Value) {
+    let types: Vec<&str> = items.iter().map(|(t, _, _)| t.as_str()).collect();
+    let ids: Vec<&str> = items.iter().map(|(_, i, _)| i.as_str()).collect();
+    let seqs: Vec<i64> = items.iter().map(|(_, _, s)| *s).collect();
+    (
+        text_array(&types).into(),
+        text_array(&ids).into(),
+        num_array(&seqs).into(),
+    )
+}

@@ -1,0 +1,189 @@
+//! Partition leases: acquisition (bumping the epoch, the fencing token), renewal, release, pause.
+//!
+//! All lease time is the database's clock (`now()`); a node never compares its own wall clock
+//! with `lease_until`.
+
+use sea_orm::ConnectionTrait;
+
+use super::sql::num_array;
+use super::{Store, StoreError, stmt};
+
+/// A partition lease held by a node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lease {
+    /// Partition number.
+    pub partition: i32,
+    /// Epoch at acquisition: the fencing token for every publish and mark.
+    pub epoch: i64,
+    /// Paused by an operator: the owner holds it but publishes nothing.
+    pub paused: bool,
+}
+
+/// What one maintenance tick learned.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseTick {
+    /// Leases this node still holds, renewed.
+    pub held: Vec<Lease>,
+    /// Nodes with a heartbeat younger than the node TTL (including this one).
+    pub live_nodes: u32,
+    /// Total number of partitions.
+    pub partitions: u32,
+}
+
+fn leases(rows: Vec<sea_orm::QueryResult>) -> Result<Vec<Lease>, StoreError> {
+    rows.into_iter()
+        .map(|r| {
+            Ok(Lease {
+                partition: r.try_get_by_index(0).map_err(StoreError::from_db)?,
+                epoch: r.try_get_by_index(1).map_err(StoreError::from_db)?,
+                paused: r.try_get_by_index(2).map_err(StoreError::from_db)?,
+            })
+        })
+        .collect()
+}
+
+impl Store {
+    /// Heartbeat and lease renewal in one statement: refreshes the node's heartbeat, extends
+    /// every lease it owns by `lease_ms`, and counts the live nodes (heartbeat within
+    /// `node_ttl_ms`).
+    pub async fn lease_tick(
+        &self,
+        node_id: &str,
+        lease_ms: u64,
+        node_ttl_ms: u64,
+    ) -> Result<LeaseTick, StoreError> {
+        let rows = self
+            .connection()
+            .query_all_raw(stmt(
+                "WITH hb AS (UPDATE outpost_node SET heartbeat_at = now() WHERE node_id = $1 \
+                             RETURNING node_id), \
+                      renewed AS (UPDATE outpost_partition \
+                                  SET lease_until = now() + $2 * interval '1 millisecond' \
+                                  WHERE owner = $1 RETURNING partition, epoch, paused) \
+                 SELECT r.partition, r.epoch, r.paused, \
+                        (SELECT count(*) FROM outpost_node \
+                         WHERE heartbeat_at > now() - $3 * interval '1 millisecond' \
+                            OR node_id IN (SELECT node_id FROM hb))::int8, \
+                        (SELECT count(*) FROM outpost_partition)::int8 \
+                 FROM (SELECT NULL::int4 AS partition, NULL::int8 AS epoch, NULL::bool AS paused \
+                       UNION ALL SELECT * FROM renewed) r",
+                [node_id.into(), ms(lease_ms).into(), ms(node_ttl_ms).into()],
+            ))
+            .await
+            .map_err(StoreError::from_db)?;
+        let mut held = Vec::with_capacity(rows.len());
+        let (mut live_nodes, mut partitions) = (1u32, 0u32);
+        for r in rows {
+            let p: Option<i32> = r.try_get_by_index(0).map_err(StoreError::from_db)?;
+            live_nodes = count(r.try_get_by_index(3).map_err(StoreError::from_db)?);
+            partitions = count(r.try_get_by_index(4).map_err(StoreError::from_db)?);
+            if let Some(partition) = p {
+                held.push(Lease {
+                    partition,
+                    epoch: r.try_get_by_index(1).map_err(StoreError::from_db)?,
+                    paused: r.try_get_by_index(2).map_err(StoreError::from_db)?,
+                });
+            }
+        }
+        Ok(LeaseTick {
+            held,
+            live_nodes: live_nodes.max(1),
+            partitions,
+        })
+    }
+
+    /// Acquires up to `max` partitions that are free, expired, or left by an earlier run of this
+    /// node (those first), bumping each one's epoch. Partitions in `holding` are skipped.
+    pub async fn acquire_partitions(
+        &self,
+        node_id: &str,
+        lease_ms: u64,
+        holding: &[i32],
+        max: u32,
+    ) -> Result<Vec<Lease>, StoreError> {
+        if max == 0 {
+            return Ok(Vec::new());
+        }
+        let rows = self
+            .connection()
+            .query_all_raw(stmt(
+                "UPDATE outpost_partition p SET owner = $1, epoch = p.epoch + 1, \
+                   lease_until = now() + $2 * interval '1 millisecond' \
+                 WHERE p.partition IN ( \
+                   SELECT partition FROM outpost_partition \
+                   WHERE (owner IS NULL OR lease_until IS NULL OR lease_until < now() \
+                          OR owner = $1) \
+                     AND NOT (partition = ANY($3::int4[])) \
+                   ORDER BY (owner = $1) DESC NULLS LAST, partition \
+                   LIMIT $4 FOR UPDATE SKIP LOCKED) \
+                 RETURNING p.partition, p.epoch, p.paused",
+                [
+                    node_id.into(),
+                    ms(lease_ms).into(),
+                    num_array(holding).into(),
+                    i64::from(max).into(),
+                ],
+            ))
+            .await
+            .map_err(StoreError::from_db)?;
+        leases(rows)
+    }
+
+    /// Gives partitions back at once (graceful handoff): the next owner does not wait for the
+    /// lease to expire. Only leases still held at the given epochs are released.
+    pub async fn release_partitions(
+        &self,
+        node_id: &str,
+        released: &[Lease],
+    ) -> Result<u64, StoreError> {
+        if released.is_empty() {
+            return Ok(0);
+        }
+        let parts: Vec<i32> = released.iter().map(|l| l.partition).collect();
+        let epochs: Vec<i64> = released.iter().map(|l| l.epoch).collect();
+        let res = self
+            .connection()
+            .execute_raw(stmt(
+                "UPDATE outpost_partition p SET owner = NULL, lease_until = NULL \
+                 FROM unnest($2::int4[], $3::int8[]) AS v(partition, epoch) \
+                 WHERE p.partition = v.partition AND p.epoch = v.epoch AND p.owner = $1",
+                [
+                    node_id.into(),
+                    num_array(&parts).into(),
+                    num_array(&epochs).into(),
+                ],
+            ))
+            .await
+            .map_err(StoreError::from_db)?;
+        Ok(res.rows_affected())
+    }
+
+    /// Pauses or resumes a partition. Persisted: whichever node owns it honours it, also after
+    /// restarts. Returns false when the partition does not exist.
+    pub async fn set_paused(
+        &self,
+        partition: i32,
+        paused: bool,
+        by: &str,
+    ) -> Result<bool, StoreError> {
+        let res = self
+            .connection()
+            .execute_raw(stmt(
+                "UPDATE outpost_partition SET paused = $2, \
+                   paused_at = CASE WHEN $2 THEN now() END, paused_by = CASE WHEN $2 THEN $3 END \
+                 WHERE partition = $1",
+                [partition.into(), paused.into(), by.into()],
+            ))
+            .await
+            .map_err(StoreError::from_db)?;
+        Ok(res.rows_affected() == 1)
+    }
+}
+
+fn ms(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+fn count(v: i64) -> u32 {
+    u32::try_from(v.max(0)).unwrap_or(u32::MAX)
+}
