@@ -65,6 +65,9 @@ pub enum Command {
 
 /// Parses the command line and runs it.
 pub fn main() -> ExitCode {
+    // With the `failpoints` feature, fault points are armed from the FAILPOINTS variable
+    // (docs/testing.md); without it this is a no-op.
+    let _faults = fail::FailScenario::setup();
     let cli = Cli::parse();
     init_tracing();
     let loaded = load_config(&cli);

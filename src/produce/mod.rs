@@ -247,7 +247,9 @@ impl Producer {
     }
 
     /// Enqueues facts in one statement (per 6,000 rows). All are validated first: one bad fact
-    /// means none is written.
+    /// means none is written. Rows are written grouped by aggregate (each aggregate keeping the
+    /// order given), so concurrent producers lock aggregates in one order and never deadlock on
+    /// each other; the result is in the order given.
     pub async fn enqueue_facts<C: ConnectionTrait>(
         &self,
         conn: &C,
@@ -265,7 +267,22 @@ impl Producer {
             }
             rows.push(self.limits.row(fact, trace.as_ref())?);
         }
-        Ok(store::insert_events(conn, &rows).await?)
+        // Insert in aggregate order (stable, so each aggregate keeps its own order): every
+        // transaction then takes the aggregates' locks in the same order, and two producers
+        // writing the same aggregates cannot deadlock. Results come back in the caller's order.
+        let mut indexed: Vec<(usize, NewEventRow)> = rows.into_iter().enumerate().collect();
+        indexed.sort_by(|(_, a), (_, b)| {
+            (&a.aggregate_type, &a.aggregate_id).cmp(&(&b.aggregate_type, &b.aggregate_id))
+        });
+        let (order, sorted): (Vec<usize>, Vec<NewEventRow>) = indexed.into_iter().unzip();
+        let inserted = store::insert_events(conn, &sorted).await?;
+        let mut out: Vec<Option<Enqueued>> = vec![None; sorted.len()];
+        for (pos, ev) in order.into_iter().zip(inserted) {
+            out[pos] = Some(ev);
+        }
+        out.into_iter()
+            .map(|e| e.ok_or_else(|| StoreError::Corrupt("insert lost a row".to_owned()).into()))
+            .collect()
     }
 
     /// Validates a fact and encodes it as the row the database will receive, without writing it.

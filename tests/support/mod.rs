@@ -160,10 +160,13 @@ impl TestRedis {
         }
     }
 
-    /// A multiplexed connection.
+    /// A multiplexed connection with a generous response timeout (the default 500 ms is too
+    /// short for large reads on a busy test machine).
     pub async fn conn(&self) -> redis::aio::MultiplexedConnection {
+        let config =
+            redis::AsyncConnectionConfig::new().set_response_timeout(Some(Duration::from_secs(30)));
         self.client
-            .get_multiplexed_async_connection()
+            .get_multiplexed_async_connection_with_config(&config)
             .await
             .expect("redis connection")
     }
@@ -201,4 +204,185 @@ where
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// A relay configuration for `db` and `redis` with short timings suited to tests: heartbeat
+/// 200 ms, lease 2 s, batches of 100, max 3 attempts with 20 ms backoff, admin on a free port.
+pub fn relay_config(db: &TestDb, redis: &TestRedis, node_id: &str) -> outpost::config::Config {
+    relay_config_with(db, &redis_url(), &redis.prefix, node_id, &[])
+}
+
+/// Like [`relay_config`] with a Redis URL of choice and extra `key=value` overrides.
+pub fn relay_config_with(
+    db: &TestDb,
+    redis_url: &str,
+    prefix: &str,
+    node_id: &str,
+    extra: &[(&str, &str)],
+) -> outpost::config::Config {
+    let mut overrides: Vec<(String, String)> = [
+        ("database.url", db.url.as_str()),
+        ("database.pool_size", "8"),
+        ("redis.url", redis_url),
+        ("redis.key_prefix", prefix),
+        ("redis.response_timeout_ms", "1000"),
+        ("redis.connect_timeout_ms", "1000"),
+        ("node.id", node_id),
+        ("node.heartbeat_ms", "200"),
+        ("node.lease_ms", "2000"),
+        ("admin.listen", "127.0.0.1:0"),
+        ("relay.batch_rows", "100"),
+        ("relay.workers", "2"),
+        ("relay.max_attempts", "3"),
+        ("relay.backoff_base_ms", "20"),
+        ("relay.backoff_max_ms", "100"),
+        ("relay.transient_backoff_max_ms", "500"),
+        ("relay.poll_interval_ms", "200"),
+        ("relay.shutdown_timeout_ms", "5000"),
+    ]
+    .iter()
+    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+    .collect();
+    overrides.extend(
+        extra
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned())),
+    );
+    outpost::config::load(&outpost::config::LoadOptions {
+        file: None,
+        overrides,
+        env: false,
+        env_vars: None,
+    })
+    .expect("test relay configuration")
+}
+
+/// Every entry of a stream: (entry id, fields), read in pages.
+pub async fn read_stream(
+    conn: &mut redis::aio::MultiplexedConnection,
+    key: &str,
+) -> Vec<(String, std::collections::HashMap<String, String>)> {
+    let mut out = Vec::new();
+    let mut start = "-".to_owned();
+    loop {
+        let reply: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+            .arg(key)
+            .arg(&start)
+            .arg("+")
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(conn)
+            .await
+            .expect("XRANGE");
+        let n = reply.ids.len();
+        for e in reply.ids {
+            let fields = e
+                .map
+                .iter()
+                .map(|(k, v)| {
+                    (
+                        k.clone(),
+                        redis::from_redis_value_ref::<String>(v).unwrap_or_default(),
+                    )
+                })
+                .collect();
+            start = format!("({}", e.id);
+            out.push((e.id, fields));
+        }
+        if n < 1000 {
+            return out;
+        }
+    }
+}
+
+/// Entries of every stream under `prefix` matching `events:*`, keyed by stream.
+pub async fn read_streams(
+    conn: &mut redis::aio::MultiplexedConnection,
+    prefix: &str,
+) -> std::collections::BTreeMap<String, Vec<(String, std::collections::HashMap<String, String>)>> {
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{prefix}events:*"))
+        .query_async(conn)
+        .await
+        .expect("KEYS");
+    let mut out = std::collections::BTreeMap::new();
+    for k in keys {
+        let kind: String = redis::cmd("TYPE")
+            .arg(&k)
+            .query_async(conn)
+            .await
+            .expect("TYPE");
+        if kind != "stream" {
+            continue;
+        }
+        let entries = read_stream(conn, &k).await;
+        out.insert(k, entries);
+    }
+    out
+}
+
+/// Delivery facts from the streams: per event id how often it appears, and per aggregate the
+/// sequence numbers in stream order (first deliveries only).
+#[derive(Debug, Default)]
+pub struct Deliveries {
+    /// event id → number of entries carrying it.
+    pub copies: std::collections::HashMap<String, usize>,
+    /// (aggregate type, aggregate id) → sequences in order of first delivery.
+    pub order: std::collections::HashMap<(String, String), Vec<i64>>,
+}
+
+impl Deliveries {
+    /// Collects deliveries from every stream under `prefix`.
+    pub async fn collect(conn: &mut redis::aio::MultiplexedConnection, prefix: &str) -> Self {
+        let mut d = Deliveries::default();
+        for (_, entries) in read_streams(conn, prefix).await {
+            for (_, f) in entries {
+                let id = f.get("ce_id").cloned().unwrap_or_default();
+                let n = d.copies.entry(id).or_insert(0);
+                *n += 1;
+                if *n == 1 {
+                    let key = (
+                        f.get("ce_aggregatetype").cloned().unwrap_or_default(),
+                        f.get("ce_subject").cloned().unwrap_or_default(),
+                    );
+                    let seq = f
+                        .get("ce_aggregateseq")
+                        .and_then(|s| s.parse().ok())
+                        .unwrap_or(-1);
+                    d.order.entry(key).or_default().push(seq);
+                }
+            }
+        }
+        d
+    }
+
+    /// Distinct events delivered.
+    pub fn unique(&self) -> usize {
+        self.copies.len()
+    }
+
+    /// Entries beyond the first of each event.
+    pub fn duplicates(&self) -> usize {
+        self.copies.values().map(|n| n - 1).sum()
+    }
+
+    /// Aggregates whose first deliveries are not 1, 2, 3, … in order.
+    pub fn order_violations(&self) -> Vec<(String, String)> {
+        self.order
+            .iter()
+            .filter(|(_, seqs)| seqs.iter().enumerate().any(|(i, s)| *s != i as i64 + 1))
+            .map(|(k, _)| k.clone())
+            .collect()
+    }
+}
+
+/// Sends the crate's logs to the test's captured output (shown when a test fails).
+pub fn init_logs() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("outpost=info")),
+        )
+        .with_test_writer()
+        .try_init();
 }

@@ -1,0 +1,462 @@
+//! The relay against real PostgreSQL and Redis: order, loss, out-of-order commits, poison,
+//! database session loss, wake-ups, graceful shutdown.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+
+use outpost::dispatch::node::{self, NodeHandle};
+use outpost::produce::{EventFact, Producer};
+use rand::Rng;
+use sea_orm::{ConnectionTrait, DbBackend, Statement, TransactionTrait};
+use serde_json::json;
+use support::{Deliveries, TestDb, TestRedis, relay_config, relay_config_with, wait_until};
+
+async fn start(config: outpost::config::Config) -> NodeHandle {
+    support::init_logs();
+    tokio::task::spawn_blocking(move || node::start(&config))
+        .await
+        .unwrap()
+        .expect("node starts")
+}
+
+async fn commit(db: &TestDb, facts: Vec<EventFact>) -> Vec<String> {
+    let txn = db.store.connection().begin().await.unwrap();
+    let ids = facts.iter().map(|f| f.id().to_string()).collect();
+    Producer::default()
+        .enqueue_facts(&txn, facts)
+        .await
+        .unwrap();
+    txn.commit().await.unwrap();
+    ids
+}
+
+async fn scalar(db: &TestDb, sql: &str) -> i64 {
+    db.store
+        .connection()
+        .query_one_raw(Statement::from_string(DbBackend::Postgres, sql))
+        .await
+        .unwrap()
+        .unwrap()
+        .try_get_by_index::<i64>(0)
+        .unwrap()
+}
+
+async fn wait_delivered(redis: &TestRedis, n: usize, secs: u64) -> Deliveries {
+    let mut conn = redis.conn().await;
+    wait_until(secs, &format!("{n} distinct events in the streams"), || {
+        let prefix = redis.prefix.clone();
+        let mut c = conn.clone();
+        async move { Deliveries::collect(&mut c, &prefix).await.unique() >= n }
+    })
+    .await;
+    Deliveries::collect(&mut conn, &redis.prefix).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn every_committed_event_is_published_once_in_order_and_rolled_back_ones_never() {
+    let db = TestDb::with_pool(24).await;
+    let redis = TestRedis::new();
+    let node = start(relay_config(&db, &redis, "order-node")).await;
+
+    let committed = Arc::new(Mutex::new(HashSet::new()));
+    let rolled_back = Arc::new(Mutex::new(HashSet::new()));
+    let mut writers = Vec::new();
+    for w in 0..16u64 {
+        let (store, committed, rolled_back) =
+            (db.store.clone(), committed.clone(), rolled_back.clone());
+        writers.push(tokio::spawn(async move {
+            use rand::SeedableRng;
+            let p = Producer::default();
+            let mut rng = rand::rngs::StdRng::seed_from_u64(w);
+            let mut written = 0;
+            while written < 1250 {
+                let n = rng.random_range(1..=3usize).min(1250 - written);
+                let facts: Vec<EventFact> = (0..n)
+                    .map(|_| {
+                        let agg = rng.random_range(0..200u32);
+                        EventFact::new(
+                            format!("kind{}", agg % 4),
+                            format!("a{agg}"),
+                            "thing.happened",
+                            json!({"writer": w}),
+                        )
+                    })
+                    .collect();
+                let ids: Vec<String> = facts.iter().map(|f| f.id().to_string()).collect();
+                let txn = store.connection().begin().await.unwrap();
+                p.enqueue_facts(&txn, facts).await.unwrap();
+                if rng.random_bool(0.05) {
+                    txn.rollback().await.unwrap();
+                    rolled_back.lock().unwrap().extend(ids);
+                } else {
+                    txn.commit().await.unwrap();
+                    committed.lock().unwrap().extend(ids);
+                    written += n;
+                }
+            }
+        }));
+    }
+    for w in writers {
+        w.await.unwrap();
+    }
+    let committed = committed.lock().unwrap().clone();
+    assert_eq!(committed.len(), 20_000);
+    let delivered = wait_delivered(&redis, committed.len(), 180).await;
+
+    assert_eq!(delivered.duplicates(), 0, "no faults: no duplicates");
+    assert_eq!(delivered.order_violations(), Vec::<(String, String)>::new());
+    let seen: HashSet<String> = delivered.copies.keys().cloned().collect();
+    assert_eq!(seen, committed, "exactly the committed events");
+    let rolled_back = rolled_back.lock().unwrap().clone();
+    assert!(!rolled_back.is_empty());
+    assert!(
+        rolled_back.is_disjoint(&seen),
+        "a rolled-back event was published"
+    );
+    assert_eq!(
+        scalar(
+            &db,
+            "SELECT count(*) FROM outpost_event WHERE status <> 'published'"
+        )
+        .await,
+        0
+    );
+    node.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_transaction_with_a_lower_id_is_not_skipped() {
+    let db = TestDb::new().await;
+    let redis = TestRedis::new();
+    let node = start(relay_config(&db, &redis, "ooo-node")).await;
+    let p = Producer::default();
+
+    let first = commit(
+        &db,
+        vec![EventFact::new("kind0", "held", "t", json!({"n": 1}))],
+    )
+    .await;
+    // A transaction takes a lower id and stays open...
+    let open = db.store.connection().begin().await.unwrap();
+    let late = EventFact::new("kind0", "held", "t", json!({"n": 2}));
+    let late_id = late.id().to_string();
+    p.enqueue_facts(&open, vec![late]).await.unwrap();
+    // ...while later ids of other aggregates commit and are published.
+    let mut others = Vec::new();
+    for i in 0..50 {
+        others.extend(
+            commit(
+                &db,
+                vec![EventFact::new("kind1", format!("o{i}"), "t", json!({}))],
+            )
+            .await,
+        );
+    }
+    let d = wait_delivered(&redis, 51, 60).await;
+    assert!(
+        !d.copies.contains_key(&late_id),
+        "uncommitted event published"
+    );
+    open.commit().await.unwrap();
+
+    let d = wait_delivered(&redis, 52, 60).await;
+    assert!(
+        d.copies.contains_key(&late_id),
+        "the late commit was skipped"
+    );
+    assert!(d.copies.contains_key(&first[0]));
+    assert_eq!(
+        d.order.get(&("kind0".to_owned(), "held".to_owned())),
+        Some(&vec![1, 2])
+    );
+    assert_eq!(d.duplicates(), 0);
+    node.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_is_quarantined_and_holds_back_only_its_own_aggregates() {
+    let db = TestDb::new().await;
+    let redis = TestRedis::new();
+    let mut conn = redis.conn().await;
+    // A key of the wrong type sits where the `poison` aggregate type's stream should be.
+    let poisoned = format!("{}events:poison", redis.prefix);
+    let _: () = redis::cmd("SET")
+        .arg(&poisoned)
+        .arg("x")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+
+    // Find a healthy aggregate in the same partition as poison/p0.
+    let part = scalar(&db, "SELECT outpost_partition_of('poison', 'p0', 64)::int8").await;
+    let neighbour = (0..10_000)
+        .map(|i| format!("n{i}"))
+        .find(|id| {
+            let sql = format!("SELECT outpost_partition_of('good', '{id}', 64)::int8");
+            futures::executor::block_on(scalar(&db, &sql)) == part
+        })
+        .unwrap();
+
+    let mut poison_ids = Vec::new();
+    for n in 0..3 {
+        poison_ids.extend(
+            commit(
+                &db,
+                vec![EventFact::new("poison", "p0", "t", json!({"n": n}))],
+            )
+            .await,
+        );
+    }
+    let node = start(relay_config(&db, &redis, "poison-node")).await;
+    let mut good = Vec::new();
+    for n in 0..20 {
+        good.extend(
+            commit(
+                &db,
+                vec![EventFact::new(
+                    "good",
+                    neighbour.clone(),
+                    "t",
+                    json!({"n": n}),
+                )],
+            )
+            .await,
+        );
+        good.extend(
+            commit(
+                &db,
+                vec![EventFact::new("good", format!("g{n}"), "t", json!({}))],
+            )
+            .await,
+        );
+    }
+    // Every other aggregate, including one in the same partition, is delivered.
+    let d = wait_delivered(&redis, good.len(), 60).await;
+    assert!(good.iter().all(|id| d.copies.contains_key(id)));
+
+    wait_until(60, "the poison event to be quarantined", || async {
+        scalar(
+            &db,
+            "SELECT count(*) FROM outpost_event WHERE status = 'quarantined'",
+        )
+        .await
+            == 1
+    })
+    .await;
+    let row = db
+        .store
+        .connection()
+        .query_one_raw(Statement::from_string(
+            DbBackend::Postgres,
+            "SELECT attempts, last_error, aggregate_seq FROM outpost_event WHERE status = 'quarantined'",
+        ))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(row.try_get_by_index::<i32>(0).unwrap(), 3, "max_attempts");
+    assert!(
+        row.try_get_by_index::<String>(1)
+            .unwrap()
+            .starts_with("WRONGTYPE")
+    );
+    assert_eq!(row.try_get_by_index::<i64>(2).unwrap(), 1);
+    // Its successors wait, held, in order; a new event of the aggregate is held too.
+    poison_ids.extend(
+        commit(
+            &db,
+            vec![EventFact::new("poison", "p0", "t", json!({"n": 3}))],
+        )
+        .await,
+    );
+    assert_eq!(
+        scalar(
+            &db,
+            "SELECT count(*) FROM outpost_event WHERE status = 'held'"
+        )
+        .await,
+        3
+    );
+
+    // Fix the cause and release the aggregate: the held chain is published in order, same ids.
+    let _: () = redis::cmd("DEL")
+        .arg(&poisoned)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(db.store.release_aggregate("poison", "p0").await.unwrap(), 4);
+    let d = wait_delivered(&redis, good.len() + 4, 60).await;
+    assert_eq!(
+        d.order.get(&("poison".to_owned(), "p0".to_owned())),
+        Some(&vec![1, 2, 3, 4])
+    );
+    for id in &poison_ids {
+        assert_eq!(
+            d.copies.get(id),
+            Some(&1),
+            "original event id {id} published once"
+        );
+    }
+    assert!(d.order_violations().is_empty());
+    node.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn terminated_database_sessions_are_survived_without_loss() {
+    let db = TestDb::new().await;
+    let redis = TestRedis::new();
+    let node = start(relay_config(&db, &redis, "pgkill-node")).await;
+    let mut ids = Vec::new();
+    let mut killed = 0;
+    for round in 0..5 {
+        for i in 0..100 {
+            ids.extend(
+                commit(
+                    &db,
+                    vec![EventFact::new(
+                        "kind0",
+                        format!("a{}", i % 20),
+                        "t",
+                        json!({"r": round}),
+                    )],
+                )
+                .await,
+            );
+        }
+        // Kill every session of the node, the LISTEN connection included (after the first round,
+        // whichever the node has reopened by then).
+        killed += scalar(
+            &db,
+            "SELECT count(pg_terminate_backend(pid))::int8 FROM pg_stat_activity \
+             WHERE application_name LIKE 'outpost %pgkill-node'",
+        )
+        .await;
+        assert!(killed > 0, "the node's sessions were found");
+    }
+
+    let d = wait_delivered(&redis, ids.len(), 120).await;
+    assert!(
+        ids.iter().all(|id| d.copies.contains_key(id)),
+        "nothing lost"
+    );
+    assert!(d.order_violations().is_empty());
+    node.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missed_nudge_waits_for_the_scheduled_poll() {
+    let db = TestDb::new().await;
+    let redis = TestRedis::new();
+    db.store
+        .connection()
+        .execute_unprepared("ALTER TABLE outpost_event DISABLE TRIGGER outpost_event_nudge")
+        .await
+        .unwrap();
+    let node = start(relay_config(&db, &redis, "nonudge-node")).await;
+    wait_until(30, "the node to go idle and ask for nudges", || async {
+        scalar(&db, "SELECT count(*) FROM outpost_node WHERE wants_nudge").await == 1
+    })
+    .await;
+    let id = commit(&db, vec![EventFact::new("kind0", "a", "t", json!({}))]).await;
+    let d = wait_delivered(&redis, 1, 30).await;
+    assert!(d.copies.contains_key(&id[0]));
+    node.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_long_poll_interval_the_nudge_delivers() {
+    let db = TestDb::new().await;
+    let redis = TestRedis::new();
+    let config = relay_config_with(
+        &db,
+        &support::redis_url(),
+        &redis.prefix,
+        "nudge-node",
+        &[
+            ("relay.poll_interval_ms", "60000"),
+            ("relay.idle_after_ms", "50"),
+        ],
+    );
+    let node = start(config).await;
+    wait_until(30, "the node to go idle and ask for nudges", || async {
+        scalar(&db, "SELECT count(*) FROM outpost_node WHERE wants_nudge").await == 1
+    })
+    .await;
+    // The next scheduled poll is a minute away: only the nudge can deliver within the wait.
+    let id = commit(&db, vec![EventFact::new("kind0", "a", "t", json!({}))]).await;
+    let d = wait_delivered(&redis, 1, 20).await;
+    assert!(d.copies.contains_key(&id[0]));
+    node.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_shutdown_mid_batch_loses_and_duplicates_nothing() {
+    let db = TestDb::new().await;
+    let redis = TestRedis::new();
+    let facts: Vec<EventFact> = (0..3000)
+        .map(|i| {
+            EventFact::new(
+                format!("kind{}", i % 2),
+                format!("a{}", i % 50),
+                "t",
+                json!({"i": i}),
+            )
+        })
+        .collect();
+    let ids = commit(&db, facts).await;
+    // A slow rate keeps batches in flight.
+    let config = relay_config_with(
+        &db,
+        &support::redis_url(),
+        &redis.prefix,
+        "graceful-node",
+        &[
+            ("rate_limit.global_per_sec", "1500"),
+            ("rate_limit.burst", "100"),
+        ],
+    );
+    let node = start(config.clone()).await;
+    let mut conn = redis.conn().await;
+    wait_until(30, "publishing to be under way", || {
+        let prefix = redis.prefix.clone();
+        let mut c = conn.clone();
+        async move { Deliveries::collect(&mut c, &prefix).await.unique() >= 500 }
+    })
+    .await;
+    let before = std::time::Instant::now();
+    node.shutdown().await;
+    let took = before.elapsed();
+    assert!(
+        took < config.relay.shutdown_timeout(),
+        "shutdown within its deadline ({took:?})"
+    );
+    assert_eq!(
+        scalar(
+            &db,
+            "SELECT count(*) FROM outpost_partition WHERE owner IS NOT NULL"
+        )
+        .await,
+        0,
+        "every lease released"
+    );
+    let partial = Deliveries::collect(&mut conn, &redis.prefix).await;
+    assert!(partial.unique() < ids.len(), "stopped part-way");
+    assert_eq!(
+        scalar(
+            &db,
+            "SELECT count(*) FROM outpost_event WHERE status = 'published'"
+        )
+        .await as usize,
+        partial.unique(),
+        "every published entry was marked: the in-flight batch finished"
+    );
+
+    let node = start(relay_config(&db, &redis, "graceful-node-2")).await;
+    let d = wait_delivered(&redis, ids.len(), 60).await;
+    assert_eq!(d.duplicates(), 0);
+    assert!(d.order_violations().is_empty());
+    node.shutdown().await;
+}
