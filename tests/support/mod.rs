@@ -212,6 +212,40 @@ pub fn relay_config(db: &TestDb, redis: &TestRedis, node_id: &str) -> outpost::c
     relay_config_with(db, &redis_url(), &redis.prefix, node_id, &[])
 }
 
+/// The test relay settings as `(key, value)` overrides, `extra` last (so it wins).
+fn relay_overrides(
+    db: &TestDb,
+    redis_url: &str,
+    prefix: &str,
+    node_id: &str,
+    extra: &[(&str, &str)],
+) -> Vec<(String, String)> {
+    [
+        ("database.url", db.url.as_str()),
+        ("database.pool_size", "8"),
+        ("redis.url", redis_url),
+        ("redis.key_prefix", prefix),
+        ("redis.response_timeout_ms", "1000"),
+        ("redis.connect_timeout_ms", "1000"),
+        ("node.id", node_id),
+        ("node.heartbeat_ms", "200"),
+        ("node.lease_ms", "2000"),
+        ("admin.listen", "127.0.0.1:0"),
+        ("relay.batch_rows", "100"),
+        ("relay.workers", "2"),
+        ("relay.max_attempts", "3"),
+        ("relay.backoff_base_ms", "20"),
+        ("relay.backoff_max_ms", "100"),
+        ("relay.transient_backoff_max_ms", "500"),
+        ("relay.poll_interval_ms", "200"),
+        ("relay.shutdown_timeout_ms", "5000"),
+    ]
+    .iter()
+    .chain(extra.iter())
+    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+    .collect()
+}
+
 /// Like [`relay_config`] with a Redis URL of choice and extra `key=value` overrides.
 pub fn relay_config_with(
     db: &TestDb,
@@ -385,4 +419,53 @@ pub fn init_logs() {
         )
         .with_test_writer()
         .try_init();
+}
+
+/// `key=value` overrides of [`relay_config_with`], as `--set` arguments for the `outpost` binary.
+pub fn relay_args(
+    db: &TestDb,
+    redis_url: &str,
+    prefix: &str,
+    node_id: &str,
+    extra: &[(&str, &str)],
+) -> Vec<String> {
+    relay_overrides(db, redis_url, prefix, node_id, extra)
+        .into_iter()
+        .flat_map(|(k, v)| ["--set".to_owned(), format!("{k}={v}")])
+        .collect()
+}
+
+/// Starts `outpost run` as a child process with the test's settings and `env` added.
+pub fn spawn_outpost(args: &[String], env: &[(&str, &str)]) -> std::process::Child {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_outpost"));
+    cmd.args(args)
+        .arg("run")
+        .current_dir(std::env::temp_dir())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    for (k, _) in std::env::vars() {
+        if k.starts_with("OUTPOST_") || k == "FAILPOINTS" {
+            cmd.env_remove(k);
+        }
+    }
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.spawn().expect("spawn outpost")
+}
+
+/// Waits for a child to exit (a deadlock guard of `secs` seconds) and returns its status.
+pub async fn wait_exit(child: &mut std::process::Child, secs: u64) -> std::process::ExitStatus {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
+    loop {
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            return status;
+        }
+        if tokio::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("child did not exit within {secs} s");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
