@@ -1,0 +1,272 @@
+//! Redis outages against a Redis server owned by the test (its own port and data directory), so
+//! pausing or killing it disturbs no other test: nothing is lost, no attempt is burned, the node
+//! resumes by itself, and `/readyz` says not-ready meanwhile.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::collections::HashSet;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use outpost::produce::{EventFact, Producer};
+use sea_orm::{ConnectionTrait, DbBackend, Statement, TransactionTrait};
+use serde_json::json;
+use support::{Deliveries, TestDb, relay_config_with, wait_until};
+
+/// A redis-server child with append-only persistence (fsync on every write), so a kill -9 and
+/// restart keeps what it acknowledged.
+struct OwnRedis {
+    port: u16,
+    dir: std::path::PathBuf,
+    child: Option<Child>,
+}
+
+impl OwnRedis {
+    fn start() -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let dir = std::env::temp_dir().join(format!("outpost-redis-{port}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut r = Self {
+            port,
+            dir,
+            child: None,
+        };
+        r.spawn();
+        r
+    }
+
+    fn spawn(&mut self) {
+        let child = Command::new("redis-server")
+            .args([
+                "--port",
+                &self.port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+            ])
+            .args(["--appendonly", "yes", "--appendfsync", "always"])
+            .arg("--dir")
+            .arg(&self.dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server on PATH");
+        self.child = Some(child);
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    async fn conn(&self) -> redis::aio::MultiplexedConnection {
+        let client = redis::Client::open(self.url()).unwrap();
+        let config =
+            redis::AsyncConnectionConfig::new().set_response_timeout(Some(Duration::from_secs(30)));
+        let mut last = None;
+        for _ in 0..100 {
+            match client
+                .get_multiplexed_async_connection_with_config(&config)
+                .await
+            {
+                Ok(c) => return c,
+                Err(e) => last = Some(e),
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("own redis not reachable: {last:?}");
+    }
+
+    /// kill -9, and wait until the process is really gone.
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for OwnRedis {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// GET /readyz on the node's admin endpoint: the HTTP status code.
+async fn readyz(addr: std::net::SocketAddr) -> u16 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(mut s) = tokio::net::TcpStream::connect(addr).await else {
+        return 0;
+    };
+    let _ = s
+        .write_all(b"GET /readyz HTTP/1.0\r\nHost: x\r\n\r\n")
+        .await;
+    let mut buf = Vec::new();
+    let _ = s.read_to_end(&mut buf).await;
+    String::from_utf8_lossy(&buf)
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0)
+}
+
+async fn scalar(db: &TestDb, sql: &str) -> i64 {
+    db.store
+        .connection()
+        .query_one_raw(Statement::from_string(DbBackend::Postgres, sql))
+        .await
+        .unwrap()
+        .unwrap()
+        .try_get_by_index::<i64>(0)
+        .unwrap()
+}
+
+/// Writers that keep committing events until stopped; returns the committed ids.
+fn writers(db: &TestDb, stop: Arc<AtomicBool>) -> tokio::task::JoinHandle<HashSet<String>> {
+    let store = db.store.clone();
+    tokio::spawn(async move {
+        let ids = Arc::new(Mutex::new(HashSet::new()));
+        let mut tasks = Vec::new();
+        for w in 0..4 {
+            let (store, ids, stop) = (store.clone(), ids.clone(), stop.clone());
+            tasks.push(tokio::spawn(async move {
+                let mut i = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let fact = EventFact::new(
+                        "kind0",
+                        format!("a{}", (i * 4 + w) % 50),
+                        "t",
+                        json!({"i": i}),
+                    );
+                    let id = fact.id().to_string();
+                    let txn = store.connection().begin().await.unwrap();
+                    Producer::default()
+                        .enqueue_facts(&txn, vec![fact])
+                        .await
+                        .unwrap();
+                    txn.commit().await.unwrap();
+                    ids.lock().unwrap().insert(id);
+                    i += 1;
+                    // Pace the writers: about 200 events/s in all.
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }));
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+        let ids = ids.lock().unwrap().clone();
+        ids
+    })
+}
+
+enum Outage {
+    Pause,
+    Kill,
+}
+
+async fn survive(outage: Outage) {
+    support::init_logs();
+    let db = TestDb::new().await;
+    let mut own = OwnRedis::start();
+    let mut conn = own.conn().await;
+    let config = relay_config_with(&db, &own.url(), "o:", "outage-node", &[]);
+    let node = tokio::task::spawn_blocking(move || outpost::dispatch::node::start(&config))
+        .await
+        .unwrap()
+        .unwrap();
+    let admin = node.admin_addr();
+    wait_until(30, "/readyz to say ready", || async move {
+        readyz(admin).await == 200
+    })
+    .await;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let writing = writers(&db, stop.clone());
+    wait_until(30, "some events to be published", || {
+        let mut c = conn.clone();
+        async move { Deliveries::collect(&mut c, "o:").await.unique() >= 100 }
+    })
+    .await;
+
+    // The outage lasts ten seconds of wall time: that is the fault, not a wait for a condition.
+    match outage {
+        Outage::Pause => {
+            let _: () = redis::cmd("CLIENT")
+                .arg("PAUSE")
+                .arg(10_000)
+                .arg("ALL")
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            wait_until(30, "/readyz to say not ready", || async move {
+                readyz(admin).await == 503
+            })
+            .await;
+            tokio::time::sleep(Duration::from_secs(9)).await;
+        }
+        Outage::Kill => {
+            own.kill();
+            wait_until(30, "/readyz to say not ready", || async move {
+                readyz(admin).await == 503
+            })
+            .await;
+            tokio::time::sleep(Duration::from_secs(10)).await;
+            own.spawn();
+            conn = own.conn().await;
+        }
+    }
+    wait_until(60, "/readyz to say ready again", || async move {
+        readyz(admin).await == 200
+    })
+    .await;
+    stop.store(true, Ordering::Relaxed);
+    let committed = writing.await.unwrap();
+
+    wait_until(120, "every committed event to be delivered", || {
+        let (mut c, n) = (conn.clone(), committed.len());
+        async move { Deliveries::collect(&mut c, "o:").await.unique() >= n }
+    })
+    .await;
+    let d = Deliveries::collect(&mut conn, "o:").await;
+    let seen: HashSet<String> = d.copies.keys().cloned().collect();
+    assert!(committed.is_subset(&seen), "nothing lost");
+    assert!(d.order_violations().is_empty());
+    assert_eq!(
+        scalar(
+            &db,
+            "SELECT coalesce(max(attempts), 0)::int8 FROM outpost_event"
+        )
+        .await,
+        0,
+        "no attempt burned"
+    );
+    assert_eq!(
+        scalar(
+            &db,
+            "SELECT count(*) FROM outpost_event WHERE status <> 'published'"
+        )
+        .await,
+        0
+    );
+    node.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_paused_for_ten_seconds_loses_nothing_and_burns_no_attempt() {
+    survive(Outage::Pause).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_killed_and_restarted_loses_nothing_and_burns_no_attempt() {
+    survive(Outage::Kill).await;
+}
