@@ -164,8 +164,7 @@ fn writers(db: &TestDb, stop: Arc<AtomicBool>) -> tokio::task::JoinHandle<HashSe
         for t in tasks {
             t.await.unwrap();
         }
-        let ids = ids.lock().unwrap().clone();
-        ids
+        ids.lock().unwrap().clone()
     })
 }
 
