@@ -30,38 +30,49 @@ pub(super) async fn run(config: &Config, args: StatusArgs) -> anyhow::Result<()>
                 "epoch": p.epoch, "paused": p.paused,
             })).collect::<Vec<_>>(),
         });
-        println!("{}", serde_json::to_string_pretty(&v)?);
+        emit(&format!("{}\n", serde_json::to_string_pretty(&v)?));
         return Ok(());
     }
-    println!("events by state:");
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    writeln!(out, "events by state:")?;
     if backlog.by_status.is_empty() {
-        println!("  (none)");
+        writeln!(out, "  (none)")?;
     }
     for s in &backlog.by_status {
-        println!("  {:<15} {:>12}", s.status, s.rows);
+        writeln!(out, "  {:<15} {:>12}", s.status, s.rows)?;
     }
     match backlog.oldest_pending_age_secs {
-        Some(age) => println!("oldest pending: {age:.3} s"),
-        None => println!("oldest pending: none"),
+        Some(age) => writeln!(out, "oldest pending: {age:.3} s")?,
+        None => writeln!(out, "oldest pending: none")?,
     }
-    println!("partitions ({}):", backlog.partitions.len());
-    println!(
+    writeln!(out, "partitions ({}):", backlog.partitions.len())?;
+    writeln!(
+        out,
         "  {:>9} {:>10} {:>8} {:>6}  owner",
         "partition", "ready", "epoch", "paused"
-    );
+    )?;
     for p in backlog
         .partitions
         .iter()
         .filter(|p| args.all || p.ready > 0 || p.owner.is_some() || p.paused)
     {
-        println!(
+        writeln!(
+            out,
             "  {:>9} {:>10} {:>8} {:>6}  {}",
             p.partition,
             p.ready,
             p.epoch,
             if p.paused { "yes" } else { "no" },
             p.owner.as_deref().unwrap_or("-")
-        );
+        )?;
     }
+    emit(&out);
     Ok(())
+}
+
+/// Writes to stdout, ignoring a closed pipe (`outpost status | head`).
+fn emit(text: &str) {
+    use std::io::Write as _;
+    let _ = std::io::stdout().lock().write_all(text.as_bytes());
 }
