@@ -109,15 +109,15 @@ impl Store {
                         schema_version, occurred_at, recorded_at, payload::text, headers::text, \
                         destination, attempts \
                  FROM ( \
-                   SELECT e.*, \
-                          sum(pg_column_size(e.payload) + pg_column_size(e.headers)) \
-                            OVER (ORDER BY e.id) AS running, \
-                          row_number() OVER (ORDER BY e.id) AS n \
-                   FROM outpost_event e \
-                   WHERE e.partition = $1 AND e.status IN ('pending', 'retry_wait') \
-                     AND e.next_attempt_at <= now() \
-                   ORDER BY e.id LIMIT $2) t \
-                 WHERE t.n = 1 OR t.running <= $3 \
+                   SELECT t.*, \
+                          sum(pg_column_size(t.payload) + pg_column_size(t.headers)) \
+                            OVER (ORDER BY t.id) AS running, \
+                          row_number() OVER (ORDER BY t.id) AS n \
+                   FROM (SELECT e.* FROM outpost_event e \
+                         WHERE e.partition = $1 AND e.status IN ('pending', 'retry_wait') \
+                           AND e.next_attempt_at <= now() \
+                         ORDER BY e.id LIMIT $2) t) w \
+                 WHERE w.n = 1 OR w.running <= $3 \
                  ORDER BY id",
                 [
                     partition.into(),
