@@ -20,6 +20,9 @@ use crate::store::{self, ConnectSettings, NodeInfo, Nudge, NudgeListener, Store,
 pub enum BenchCommand {
     /// Producer commit throughput: Outpost's schema against a plain table without triggers.
     Producer(ProducerBench),
+    /// Relay drain throughput against a bare relay loop, commit-to-stream latency under steady
+    /// load, and the cost of an idle node.
+    Relay(super::bench_relay::RelayBench),
 }
 
 /// Options of `outpost bench producer`.
@@ -48,6 +51,7 @@ pub struct ProducerBench {
 pub(super) async fn run(config: &Config, which: BenchCommand) -> anyhow::Result<()> {
     match which {
         BenchCommand::Producer(args) => producer(config, args).await,
+        BenchCommand::Relay(args) => super::bench_relay::run(config, args).await,
     }
 }
 

@@ -2,6 +2,7 @@
 //! printed once, and decide the exit code.
 
 mod bench;
+mod bench_relay;
 mod config_cmd;
 mod migrate;
 mod produce;
@@ -69,8 +70,8 @@ pub fn main() -> ExitCode {
     // (docs/testing.md); without it this is a no-op.
     let _faults = fail::FailScenario::setup();
     let cli = Cli::parse();
-    init_tracing();
     let loaded = load_config(&cli);
+    init_tracing(loaded.as_ref().ok().map(|c| &c.log));
     if let Command::Config { action } = &cli.command {
         return config_cmd::run(action, loaded);
     }
@@ -133,14 +134,23 @@ fn load_config(cli: &Cli) -> Result<Config, config::ConfigErrors> {
     })
 }
 
-fn init_tracing() {
+/// Logs go to stderr: `RUST_LOG` when set, otherwise `log.level`; `log.format` picks text or
+/// JSON lines.
+fn init_tracing(log: Option<&config::LogConfig>) {
     use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    // A second initialisation (tests calling `main` twice) is harmless to ignore.
-    let _ = tracing_subscriber::fmt()
+    let level = log.map_or("info", |l| l.level.as_str());
+    let filter = EnvFilter::try_from_default_env()
+        .or_else(|_| EnvFilter::try_new(level))
+        .unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
+        .with_writer(std::io::stderr);
+    // A second initialisation (tests calling `main` twice) is harmless to ignore.
+    let _ = if log.is_some_and(config::LogConfig::is_json) {
+        builder.json().try_init()
+    } else {
+        builder.try_init()
+    };
 }
 
 /// Opens the database named by `database.url`.

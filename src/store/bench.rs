@@ -1,9 +1,11 @@
 //! Statements only the benchmarks use: a plain copy of the outbox table without Outpost's
-//! triggers, as the baseline producers are compared against.
+//! triggers, as the baseline producers are compared against; and for `outpost bench relay`, the
+//! bare relay loop it compares Outpost with, and the drain, latency and idle figures.
 
 use sea_orm::ConnectionTrait;
 
 use super::events::{insert_sql, insert_values};
+use super::sql::num_array;
 use super::{NewEventRow, Store, StoreError};
 
 /// Name of the baseline table.
@@ -69,4 +71,231 @@ pub async fn insert_plain<C: ConnectionTrait>(
         .await
         .map_err(StoreError::from_db)?;
     Ok(())
+}
+
+/// A row read by the benchmark's bare relay loop (`outpost bench relay`, baseline part).
+#[derive(Debug, Clone, PartialEq)]
+pub struct BareRow {
+    /// Outbox row id.
+    pub id: i64,
+    /// Event identity.
+    pub event_id: uuid::Uuid,
+    /// Aggregate type.
+    pub aggregate_type: String,
+    /// Aggregate id.
+    pub aggregate_id: String,
+    /// Sequence within the aggregate.
+    pub aggregate_seq: i64,
+    /// Event type.
+    pub event_type: String,
+    /// Payload as JSON text.
+    pub payload: String,
+}
+
+/// The order in which the bare loop reads the pending rows of its partitions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BareOrder {
+    /// `ORDER BY partition, id`: an index range scan on the outbox's ready index, whose cost does
+    /// not grow with the rows already published.
+    PartitionId,
+    /// `ORDER BY id`: PostgreSQL walks the primary key past every row already published in
+    /// the table, so each batch costs more as a backlog drains (quadratic in the backlog).
+    Id,
+}
+
+/// Latency from insert to publication over the published rows.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PublishLatency {
+    /// Rows with `status = 'published'`.
+    pub rows: i64,
+    /// Median of `published_at - recorded_at`, in seconds (`None` without rows).
+    pub p50: Option<f64>,
+    /// 90th percentile, in seconds.
+    pub p90: Option<f64>,
+    /// 99th percentile, in seconds.
+    pub p99: Option<f64>,
+    /// Largest, in seconds.
+    pub max: Option<f64>,
+}
+
+impl Store {
+    /// Empties the outbox and the aggregate sequences (a fresh table for the next benchmark
+    /// part), then checkpoints so the part does not pay for the previous part's dirty pages.
+    pub async fn truncate_outbox(&self) -> Result<(), StoreError> {
+        self.connection()
+            .execute_unprepared("TRUNCATE outpost_event, outpost_aggregate")
+            .await
+            .map_err(StoreError::from_db)?;
+        self.checkpoint().await
+    }
+
+    /// `VACUUM ANALYZE outpost_event` (hint bits and visibility map set, fresh statistics) and a
+    /// checkpoint, so that a preloaded backlog is in the same state for every drain.
+    pub async fn vacuum_analyze_outbox(&self) -> Result<(), StoreError> {
+        // VACUUM cannot run inside a transaction block: one statement per call.
+        self.connection()
+            .execute_unprepared("VACUUM ANALYZE outpost_event")
+            .await
+            .map_err(StoreError::from_db)?;
+        self.checkpoint().await
+    }
+
+    async fn checkpoint(&self) -> Result<(), StoreError> {
+        self.connection()
+            .execute_unprepared("CHECKPOINT")
+            .await
+            .map_err(StoreError::from_db)?;
+        Ok(())
+    }
+
+    /// True while some row is waiting to be published (`pending` or `retry_wait`). Cheap at any
+    /// backlog size, so it can be polled during a drain without loading the database the way
+    /// `count(*)` over the backlog would: the order matches the ready index, so the planner
+    /// reads its first live entry instead of scanning a heap full of published rows.
+    pub async fn has_unpublished(&self) -> Result<bool, StoreError> {
+        let row = self
+            .connection()
+            .query_one_raw(super::stmt(
+                "SELECT 1 FROM outpost_event WHERE status IN ('pending', 'retry_wait') \
+                 ORDER BY partition, id LIMIT 1",
+                [],
+            ))
+            .await
+            .map_err(StoreError::from_db)?;
+        Ok(row.is_some())
+    }
+
+    /// Rows waiting to be published (`pending` or `retry_wait`).
+    pub async fn unpublished_count(&self) -> Result<i64, StoreError> {
+        let row = self
+            .connection()
+            .query_one_raw(super::stmt(
+                "SELECT count(*) FROM outpost_event WHERE status IN ('pending', 'retry_wait')",
+                [],
+            ))
+            .await
+            .map_err(StoreError::from_db)?
+            .ok_or_else(|| StoreError::Corrupt("count(*) returned no row".to_owned()))?;
+        row.try_get_by_index(0).map_err(StoreError::from_db)
+    }
+
+    /// Up to `limit` pending rows of `partitions`, for the benchmark's bare relay loop (no
+    /// ordering guarantee, no lease, no retry state).
+    pub async fn bare_claim(
+        &self,
+        partitions: &[i32],
+        limit: u32,
+        order: BareOrder,
+    ) -> Result<Vec<BareRow>, StoreError> {
+        let sql = match order {
+            BareOrder::PartitionId => {
+                "SELECT id, event_id, aggregate_type, aggregate_id, aggregate_seq, event_type, \
+                        payload::text \
+                 FROM outpost_event \
+                 WHERE partition = ANY($1::int4[]) AND status = 'pending' \
+                 ORDER BY partition, id LIMIT $2"
+            }
+            BareOrder::Id => {
+                "SELECT id, event_id, aggregate_type, aggregate_id, aggregate_seq, event_type, \
+                        payload::text \
+                 FROM outpost_event \
+                 WHERE partition = ANY($1::int4[]) AND status = 'pending' \
+                 ORDER BY id LIMIT $2"
+            }
+        };
+        let rows = self
+            .connection()
+            .query_all_raw(super::stmt(
+                sql,
+                [num_array(partitions).into(), i64::from(limit).into()],
+            ))
+            .await
+            .map_err(StoreError::from_db)?;
+        rows.into_iter()
+            .map(|r| {
+                let g = StoreError::from_db;
+                Ok(BareRow {
+                    id: r.try_get_by_index(0).map_err(g)?,
+                    event_id: r.try_get_by_index(1).map_err(g)?,
+                    aggregate_type: r.try_get_by_index(2).map_err(g)?,
+                    aggregate_id: r.try_get_by_index(3).map_err(g)?,
+                    aggregate_seq: r.try_get_by_index(4).map_err(g)?,
+                    event_type: r.try_get_by_index(5).map_err(g)?,
+                    payload: r.try_get_by_index(6).map_err(g)?,
+                })
+            })
+            .collect()
+    }
+
+    /// Marks rows of the bare loop published (or deletes them), in one statement.
+    pub async fn bare_mark(&self, ids: &[i64], delete: bool) -> Result<(), StoreError> {
+        let sql = if delete {
+            "DELETE FROM outpost_event WHERE id = ANY($1::int8[])"
+        } else {
+            "UPDATE outpost_event SET status = 'published', published_at = now() \
+             WHERE id = ANY($1::int8[])"
+        };
+        self.connection()
+            .execute_raw(super::stmt(sql, [num_array(ids).into()]))
+            .await
+            .map_err(StoreError::from_db)?;
+        Ok(())
+    }
+
+    /// Percentiles of `published_at - recorded_at` over the published rows: from the insert
+    /// (database clock, inside the producer's transaction) to the start of the relay's mark
+    /// transaction, which begins after Redis acknowledged the entry.
+    pub async fn publish_latency(&self) -> Result<PublishLatency, StoreError> {
+        let row = self
+            .connection()
+            .query_one_raw(super::stmt(
+                "SELECT count(*), \
+                        percentile_cont(0.5) WITHIN GROUP (ORDER BY l), \
+                        percentile_cont(0.9) WITHIN GROUP (ORDER BY l), \
+                        percentile_cont(0.99) WITHIN GROUP (ORDER BY l), \
+                        max(l) \
+                 FROM (SELECT extract(epoch FROM published_at - recorded_at)::float8 AS l \
+                       FROM outpost_event WHERE status = 'published') t",
+                [],
+            ))
+            .await
+            .map_err(StoreError::from_db)?
+            .ok_or_else(|| StoreError::Corrupt("an aggregate returned no row".to_owned()))?;
+        let g = StoreError::from_db;
+        Ok(PublishLatency {
+            rows: row.try_get_by_index(0).map_err(g)?,
+            p50: row.try_get_by_index(1).map_err(g)?,
+            p90: row.try_get_by_index(2).map_err(g)?,
+            p99: row.try_get_by_index(3).map_err(g)?,
+            max: row.try_get_by_index(4).map_err(g)?,
+        })
+    }
+
+    /// Transactions committed and rolled back in the current database so far
+    /// (`pg_stat_database`; each backend reports its counts at most once a second, and an idle
+    /// one after 10 s).
+    pub async fn database_transactions(&self) -> Result<i64, StoreError> {
+        let row = self
+            .connection()
+            .query_one_raw(super::stmt(
+                "SELECT (xact_commit + xact_rollback)::int8 FROM pg_stat_database \
+                 WHERE datname = current_database()",
+                [],
+            ))
+            .await
+            .map_err(StoreError::from_db)?
+            .ok_or_else(|| StoreError::Corrupt("pg_stat_database has no row".to_owned()))?;
+        row.try_get_by_index(0).map_err(StoreError::from_db)
+    }
+
+    /// The server's version string (`server_version`).
+    pub async fn server_version(&self) -> Result<String, StoreError> {
+        let row = self
+            .connection()
+            .query_one_raw(super::stmt("SELECT current_setting('server_version')", []))
+            .await
+            .map_err(StoreError::from_db)?
+            .ok_or_else(|| StoreError::Corrupt("current_setting returned no row".to_owned()))?;
+        row.try_get_by_index(0).map_err(StoreError::from_db)
+    }
 }

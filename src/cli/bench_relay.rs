@@ -1,0 +1,984 @@
+//! `outpost bench relay`: the relay's drain throughput against a bare relay loop, commit-to-stream
+//! latency under steady load, and the cost of an idle node.
+//!
+//! Works in a scratch database `outpost_bench_relay` on the server of `database.url` (dropped and
+//! created at the start, dropped at the end) and under a Redis key prefix of its own
+//! (`bench:<random>:`, whose keys are deleted after every part). The node runs in this process,
+//! so "process CPU" is the node's (plus the benchmark's own polling, and in the steady part the
+//! load writers). PostgreSQL CPU is read from the `postgres` processes of this machine, Redis CPU
+//! from `INFO cpu`.
+
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use clap::{Args, ValueEnum};
+use redis::aio::MultiplexedConnection;
+
+use crate::config::{Config, Secret};
+use crate::dispatch::node::{self, NodeHandle};
+use crate::produce::load::{LoadReport, LoadSpec, WriteTarget, run_load};
+use crate::produce::{Limits, Producer};
+use crate::store::bench::BareOrder;
+use crate::store::{self, ConnectSettings, Store, admin};
+
+/// The scratch database.
+const DB_NAME: &str = "outpost_bench_relay";
+/// The node's id in every part.
+const NODE_ID: &str = "bench-node";
+/// Preload shape: transactions of 1,000 events from 4 writers.
+const PRELOAD_TX_SIZE: u32 = 1000;
+const PRELOAD_WRITERS: u32 = 4;
+/// Rows per batch of the bare loop.
+const BARE_BATCH: u32 = 500;
+/// How often the drain checks for remaining rows.
+const DRAIN_POLL: Duration = Duration::from_millis(200);
+/// How often the drain reports progress and checks for a stall.
+const DRAIN_PROGRESS: Duration = Duration::from_secs(10);
+/// A drain whose backlog has not shrunk for this long has stalled.
+const DRAIN_STALL: Duration = Duration::from_secs(60);
+/// How long the steady part waits for the last events after the load ends.
+const STEADY_TAIL: Duration = Duration::from_secs(60);
+/// Wait before the idle window. PostgreSQL backends report their transaction counts to
+/// `pg_stat_database` at most once a second while busy and 10 s after going idle, so the start-up
+/// work of the node (lease acquisition, ...) is reported by then and does not leak into the window.
+const IDLE_SETTLE: Duration = Duration::from_secs(11);
+
+/// Which part of the benchmark.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Part {
+    /// Drain a preloaded backlog with an Outpost node.
+    Drain,
+    /// Drain the same backlog with the bare loop.
+    Baseline,
+    /// Commit-to-stream latency at fixed offered rates.
+    Steady,
+    /// CPU and queries of a node without load.
+    Idle,
+}
+
+/// The bare loop's read order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BaselineOrder {
+    /// `ORDER BY partition, id`: an index range scan, constant cost per batch.
+    PartitionId,
+    /// `ORDER BY id`: PostgreSQL walks the primary key past every published row, so each batch
+    /// costs more as the backlog drains.
+    Id,
+}
+
+/// Options of `outpost bench relay`.
+#[derive(Debug, Args)]
+pub struct RelayBench {
+    /// Events preloaded for the drain and the baseline.
+    #[arg(long, default_value_t = 1_000_000, value_parser = clap::value_parser!(u64).range(1..))]
+    events: u64,
+    /// Distinct aggregates (`a0`, `a1`, ...; aggregate type `bench`).
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
+    aggregates: u64,
+    /// Payload size in bytes.
+    #[arg(long, default_value_t = 250)]
+    payload_bytes: usize,
+    /// Delete published rows instead of marking them, in the drain and the baseline (the steady
+    /// and idle parts always mark: latency is read from the marked rows).
+    #[arg(long)]
+    delete_published: bool,
+    /// Concurrent bare loops; the partitions are dealt out among them.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
+    baseline_loops: u32,
+    /// Read order of the bare loop.
+    #[arg(long, value_enum, default_value_t = BaselineOrder::PartitionId)]
+    baseline_order: BaselineOrder,
+    /// Offered rates of the steady part, in events per second.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_values_t = [2000u32, 10_000],
+        value_parser = clap::value_parser!(u32).range(1..)
+    )]
+    rates: Vec<u32>,
+    /// Duration of each steady run: rate × seconds events are written.
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..))]
+    steady_secs: u64,
+    /// Concurrent producers in the steady part (one event per transaction).
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
+    steady_writers: u32,
+    /// Length of the idle window.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
+    idle_secs: u64,
+    /// Run one part only (default: all, in order).
+    #[arg(long, value_enum)]
+    only: Option<Part>,
+}
+
+/// What every part needs.
+struct Bench<'a> {
+    config: &'a Config,
+    args: &'a RelayBench,
+    store: Store,
+    url: String,
+    prefix: String,
+    redis: redis::Client,
+    rconn: MultiplexedConnection,
+    partitions: u32,
+    clk_tck: f64,
+}
+
+pub(super) async fn run(config: &Config, args: RelayBench) -> anyhow::Result<()> {
+    let server = config.database.url()?.expose().to_owned();
+    let redis_url = config.redis.url()?.expose().to_owned();
+    let redis = redis::Client::open(redis_url.as_str()).context("redis.url is not usable")?;
+    let rconn = redis_conn(&redis).await?;
+
+    admin::drop_database(&server, DB_NAME).await?;
+    admin::create_database(&server, DB_NAME, None).await?;
+    let prefix = format!(
+        "bench:{}:",
+        &uuid::Uuid::new_v4().simple().to_string()[..12]
+    );
+    let outcome = async {
+        let url = admin::database_url(&server, DB_NAME)?;
+        let store = Store::connect(&ConnectSettings {
+            url: url.clone(),
+            pool_size: args.steady_writers.max(args.baseline_loops) + 4,
+            connect_timeout: Duration::from_secs(10),
+            application_name: "outpost bench relay".to_owned(),
+        })
+        .await?;
+        store::migrate_up(&store).await?;
+        let bench = Bench {
+            config,
+            args: &args,
+            partitions: store.partition_count().await?,
+            store,
+            url,
+            prefix: prefix.clone(),
+            redis,
+            rconn: rconn.clone(),
+            clk_tck: clk_tck(),
+        };
+        let outcome = tokio::select! {
+            r = bench.run_parts() => r,
+            _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted; cleaned up")),
+        };
+        bench.store.connection().clone().close().await.ok();
+        outcome
+    }
+    .await;
+    // Clean up whatever happened; a failed part's error is the one reported.
+    let keys = delete_prefix_keys(&mut rconn.clone(), &prefix).await;
+    let dropped = admin::drop_database(&server, DB_NAME).await;
+    outcome?;
+    keys?;
+    dropped?;
+    Ok(())
+}
+
+impl Bench<'_> {
+    async fn run_parts(&self) -> anyhow::Result<()> {
+        self.print_header().await?;
+        let wants = |p: Part| self.args.only.is_none_or(|o| o == p);
+        let mut drained = None;
+        if wants(Part::Drain) {
+            drained = Some(self.drain().await?);
+        }
+        if wants(Part::Baseline) {
+            self.baseline(drained).await?;
+        }
+        if wants(Part::Steady) {
+            self.steady().await?;
+        }
+        if wants(Part::Idle) {
+            self.idle().await?;
+        }
+        Ok(())
+    }
+
+    async fn print_header(&self) -> anyhow::Result<()> {
+        let cfg = self.config;
+        let pg_version = self.store.server_version().await?;
+        let server_info = info(&mut self.rconn.clone(), "server").await?;
+        let redis_version = info_field(&server_info, "redis_version").unwrap_or("?");
+        let (pg_procs, _) = postgres_cpu_ticks().unwrap_or((0, 0));
+        println!("outpost bench relay");
+        println!(
+            "date:     {}",
+            chrono::Utc::now().format("%Y-%m-%d %H:%M:%S UTC")
+        );
+        println!(
+            "machine:  {} CPUs (nproc), {}",
+            std::thread::available_parallelism().map_or(0, std::num::NonZeroUsize::get),
+            cpu_model()
+        );
+        println!("command:  {}", command_line());
+        println!(
+            "servers:  PostgreSQL {pg_version} ({pg_procs} local postgres processes), Redis \
+             {redis_version}"
+        );
+        println!(
+            "scratch:  database {}, Redis prefix {}",
+            Secret::new(self.url.clone()),
+            self.prefix
+        );
+        println!(
+            "node:     in this process; relay.workers {} (effective {}), batch_rows {}, \
+             busy_poll_ms {}, idle_after_ms {}, poll_interval_ms {}, database.pool_size {}",
+            cfg.relay.workers,
+            cfg.relay.effective_workers(),
+            cfg.relay.batch_rows,
+            cfg.relay.busy_poll_ms,
+            cfg.relay.idle_after_ms,
+            cfg.relay.poll_interval_ms,
+            cfg.database.pool_size
+        );
+        println!(
+            "CPU:      seconds of CPU time and % of one core; PostgreSQL = every local `postgres` \
+             process (including exited backends, via the postmaster's child times), Redis = \
+             INFO cpu used_cpu_user + used_cpu_sys"
+        );
+        Ok(())
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Part 1: drain
+
+    async fn drain(&self) -> anyhow::Result<f64> {
+        let args = self.args;
+        println!();
+        println!(
+            "== drain: a node publishes a preloaded backlog (relay.delete_published = {})",
+            args.delete_published
+        );
+        self.preload().await?;
+        let hwm_before = proc_status_kib("VmHWM");
+        let rss_before = proc_status_kib("VmRSS");
+        let hwm_reset = reset_peak_rss();
+        let before = self.snapshot().await;
+        let started = Instant::now();
+        let node = self.start_node(args.delete_published).await?;
+        let measured = async {
+            let mut owned_after = None;
+            let pattern = format!("{}*", self.prefix);
+            let mut last_check = Instant::now();
+            let mut progress = (Instant::now(), 0u64);
+            loop {
+                tokio::time::sleep(DRAIN_POLL).await;
+                if owned_after.is_none()
+                    && node.owned_partitions().await.len() >= self.partitions as usize
+                {
+                    owned_after = Some(started.elapsed());
+                }
+                if !self.store.has_unpublished().await? {
+                    break;
+                }
+                if last_check.elapsed() >= DRAIN_PROGRESS {
+                    last_check = Instant::now();
+                    // Progress from Redis (XLEN is O(1)): a count over the backlog would load
+                    // the database under measurement.
+                    let entries = stream_entries(&mut self.rconn.clone(), &pattern).await?;
+                    eprintln!(
+                        "drain: {entries} of {} events in the streams after {:.0} s",
+                        args.events,
+                        started.elapsed().as_secs_f64()
+                    );
+                    if entries > progress.1 {
+                        progress = (Instant::now(), entries);
+                    } else if progress.0.elapsed() >= DRAIN_STALL {
+                        bail!(
+                            "the drain stalled: {entries} of {} events in the streams, no \
+                             progress for {} s",
+                            args.events,
+                            DRAIN_STALL.as_secs()
+                        );
+                    }
+                }
+            }
+            let elapsed = started.elapsed();
+            let after = self.snapshot().await;
+            Ok::<_, anyhow::Error>((elapsed, owned_after, after))
+        }
+        .await;
+        node.shutdown().await;
+        let (elapsed, owned_after, after) = measured?;
+        let hwm_after = proc_status_kib("VmHWM");
+        let rss_after = proc_status_kib("VmRSS");
+
+        let rate = args.events as f64 / elapsed.as_secs_f64().max(1e-9);
+        println!(
+            "time to drain   {:.2} s, from node start (all {} partitions owned after {})",
+            elapsed.as_secs_f64(),
+            self.partitions,
+            owned_after.map_or("-".to_owned(), |d| format!("{:.2} s", d.as_secs_f64()))
+        );
+        println!("throughput      {rate:.0} events/s");
+        print_usage(&before.diff(&after, self.clk_tck), args.events);
+        println!(
+            "memory          peak RSS before node start {} (the preloading writers included), \
+             RSS {}",
+            mib(hwm_before),
+            mib(rss_before)
+        );
+        println!(
+            "                peak RSS after the drain {} ({}), RSS {}",
+            mib(hwm_after),
+            if hwm_reset {
+                "the peak was reset to the RSS when the node started: this is the drain's peak"
+            } else {
+                "the peak could not be reset: it includes the preload"
+            },
+            mib(rss_after)
+        );
+        self.print_end_state(&format!("{}*", self.prefix)).await?;
+        delete_prefix_keys(&mut self.rconn.clone(), &self.prefix).await?;
+        Ok(rate)
+    }
+
+    /// Truncates the outbox and writes `--events` events through the producer API, then
+    /// `VACUUM ANALYZE`s it.
+    async fn preload(&self) -> anyhow::Result<()> {
+        let args = self.args;
+        self.store.truncate_outbox().await?;
+        let spec = LoadSpec {
+            count: args.events,
+            rate: None,
+            aggregates: args.aggregates,
+            aggregate_type: "bench".to_owned(),
+            event_type: "bench.tick".to_owned(),
+            payload_bytes: args.payload_bytes,
+            tx_size: PRELOAD_TX_SIZE,
+            writers: PRELOAD_WRITERS,
+            target: WriteTarget::Outbox,
+        };
+        let report = run_load(&self.store, &self.producer(), &spec, noop()).await?;
+        let vacuum = Instant::now();
+        self.store.vacuum_analyze_outbox().await?;
+        println!(
+            "preload         {} events over {} aggregates, {}-byte payloads, {} writers × {} \
+             per transaction: {:.1} s ({:.0} events/s); VACUUM ANALYZE + CHECKPOINT {:.1} s",
+            report.events,
+            args.aggregates.min(args.events),
+            args.payload_bytes,
+            PRELOAD_WRITERS,
+            PRELOAD_TX_SIZE,
+            report.elapsed.as_secs_f64(),
+            report.events_per_sec(),
+            vacuum.elapsed().as_secs_f64()
+        );
+        Ok(())
+    }
+
+    /// Rows by state, and the entries of the streams matching `pattern`.
+    async fn print_end_state(&self, pattern: &str) -> anyhow::Result<()> {
+        let backlog = store::backlog(&self.store).await?;
+        let states = if backlog.by_status.is_empty() {
+            "no rows".to_owned()
+        } else {
+            backlog
+                .by_status
+                .iter()
+                .map(|s| format!("{} {}", s.status, s.rows))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let entries = stream_entries(&mut self.rconn.clone(), pattern).await?;
+        println!("end state       rows: {states}; stream entries: {entries}");
+        if entries != self.args.events {
+            println!(
+                "WARNING         {} events were loaded but the streams hold {entries} entries",
+                self.args.events
+            );
+        }
+        Ok(())
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Part 2: the bare loop
+
+    async fn baseline(&self, outpost_rate: Option<f64>) -> anyhow::Result<()> {
+        let args = self.args;
+        let loops = args.baseline_loops.min(self.partitions).max(1);
+        let order = match args.baseline_order {
+            BaselineOrder::PartitionId => BareOrder::PartitionId,
+            BaselineOrder::Id => BareOrder::Id,
+        };
+        println!();
+        println!(
+            "== baseline: {loops} bare loops (no ordering guarantee, no fencing, no \
+             quarantine); per batch: SELECT ≤ {BARE_BATCH} pending rows of the loop's \
+             partitions ORDER BY {}, one pipeline of XADDs, one {}",
+            match order {
+                BareOrder::PartitionId => "partition, id",
+                BareOrder::Id => "id",
+            },
+            if args.delete_published {
+                "DELETE"
+            } else {
+                "UPDATE ... SET status = 'published'"
+            }
+        );
+        self.preload().await?;
+        let stream = format!("{}baseline", self.prefix);
+        let mut tasks = Vec::new();
+        let mut conns = Vec::new();
+        for _ in 0..loops {
+            conns.push(redis_conn(&self.redis).await?);
+        }
+        let before = self.snapshot().await;
+        let started = Instant::now();
+        for (k, conn) in conns.into_iter().enumerate() {
+            let mine: Vec<i32> = (0..self.partitions as i32)
+                .filter(|p| *p as usize % loops as usize == k)
+                .collect();
+            tasks.push(tokio::spawn(bare_loop(
+                self.store.clone(),
+                conn,
+                stream.clone(),
+                mine,
+                order,
+                args.delete_published,
+            )));
+        }
+        let mut published = 0u64;
+        for t in tasks {
+            published += t.await.context("a bare loop panicked")??;
+        }
+        let elapsed = started.elapsed();
+        let after = self.snapshot().await;
+        let rate = published as f64 / elapsed.as_secs_f64().max(1e-9);
+        println!(
+            "time to drain   {:.2} s ({published} events)",
+            elapsed.as_secs_f64()
+        );
+        println!("throughput      {rate:.0} events/s");
+        print_usage(&before.diff(&after, self.clk_tck), published);
+        self.print_end_state(&stream).await?;
+        delete_prefix_keys(&mut self.rconn.clone(), &self.prefix).await?;
+        println!();
+        println!("{:<28} {:>12}", "drain", "events/s");
+        match outpost_rate {
+            Some(o) => {
+                println!("{:<28} {:>12.0}", "outpost node", o);
+                println!("{:<28} {:>12.0}", "bare loop", rate);
+                println!(
+                    "{:<28} {:>12.2}",
+                    "ratio outpost / bare",
+                    o / rate.max(1e-9)
+                );
+            }
+            None => {
+                println!("{:<28} {:>12.0}", "bare loop", rate);
+                println!("(run the drain part too for the ratio outpost / bare)");
+            }
+        }
+        Ok(())
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Part 3: steady state
+
+    async fn steady(&self) -> anyhow::Result<()> {
+        let args = self.args;
+        println!();
+        println!(
+            "== steady state: {} producers, 1 event per transaction, {} s per rate; latency = \
+             published_at - recorded_at of every published row (insert, inside the producer's \
+             transaction, to the start of the node's mark transaction, after Redis acknowledged)",
+            args.steady_writers, args.steady_secs
+        );
+        println!(
+            "{:>9} {:>9} {:>10} {:>9} {:>8} {:>8} {:>8} {:>9} {:>7} {:>7} {:>7}",
+            "offered/s",
+            "events",
+            "achieved/s",
+            "published",
+            "p50 ms",
+            "p90 ms",
+            "p99 ms",
+            "max ms",
+            "proc%",
+            "pg%",
+            "redis%"
+        );
+        for &rate in &args.rates {
+            let Some(nz) = NonZeroU32::new(rate) else {
+                continue;
+            };
+            self.store.truncate_outbox().await?;
+            let node = self.start_node(false).await?;
+            let measured = async {
+                self.wait_owned(&node).await?;
+                // Let the node reach its idle state (asking for nudges) before the load starts.
+                tokio::time::sleep(self.config.relay.idle_after() + Duration::from_millis(500))
+                    .await;
+                let before = self.snapshot().await;
+                let spec = LoadSpec {
+                    count: u64::from(rate).saturating_mul(args.steady_secs),
+                    rate: Some(nz),
+                    aggregates: args.aggregates,
+                    aggregate_type: "bench".to_owned(),
+                    event_type: "bench.tick".to_owned(),
+                    payload_bytes: args.payload_bytes,
+                    tx_size: 1,
+                    writers: args.steady_writers,
+                    target: WriteTarget::Outbox,
+                };
+                let report = run_load(&self.store, &self.producer(), &spec, noop()).await?;
+                let tail = Instant::now();
+                while self.store.has_unpublished().await? && tail.elapsed() < STEADY_TAIL {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                let after = self.snapshot().await;
+                Ok::<_, anyhow::Error>((report, before.diff(&after, self.clk_tck)))
+            }
+            .await;
+            node.shutdown().await;
+            let (report, usage) = measured?;
+            let lat = self.store.publish_latency().await?;
+            let left = self.store.unpublished_count().await?;
+            print_steady_row(rate, &report, &lat, &usage);
+            if left > 0 {
+                println!(
+                    "WARNING: {left} events were still unpublished {} s after the load ended; \
+                     the percentiles cover the published ones only",
+                    STEADY_TAIL.as_secs()
+                );
+            }
+            delete_prefix_keys(&mut self.rconn.clone(), &self.prefix).await?;
+        }
+        println!(
+            "(proc% = this process: the node and the producers; CPU over the load and until the \
+             last event was published)"
+        );
+        Ok(())
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Part 4: idle
+
+    async fn idle(&self) -> anyhow::Result<()> {
+        let args = self.args;
+        println!();
+        println!(
+            "== idle: a node with nothing to do, {} s window after {} s settling",
+            args.idle_secs,
+            IDLE_SETTLE.as_secs()
+        );
+        self.store.truncate_outbox().await?;
+        let node = self.start_node(false).await?;
+        let measured = async {
+            self.wait_owned(&node).await?;
+            tokio::time::sleep(IDLE_SETTLE).await;
+            let tx_before = self.store.database_transactions().await?;
+            let before = self.snapshot().await;
+            tokio::time::sleep(Duration::from_secs(args.idle_secs)).await;
+            let after = self.snapshot().await;
+            let tx_after = self.store.database_transactions().await?;
+            Ok::<_, anyhow::Error>((before.diff(&after, self.clk_tck), tx_after - tx_before))
+        }
+        .await;
+        node.shutdown().await;
+        let (usage, tx_delta) = measured?;
+        // The benchmark's own first read is a transaction that may be counted in the window; the
+        // second read cannot be (a transaction's count is reported after it ends).
+        let node_tx = (tx_delta - 1).max(0);
+        let secs = usage.wall.as_secs_f64().max(1e-9);
+        println!(
+            "node CPU        {} over {secs:.1} s (this process; /proc times count in steps of \
+             {:.3} s)",
+            usage.proc_cpu.map_or("n/a".to_owned(), |c| format!(
+                "{c:.3} s = {:.2} % of one core",
+                c / secs * 100.0
+            )),
+            1.0 / self.clk_tck
+        );
+        println!(
+            "postgres CPU    {}",
+            usage.pg_cpu.map_or("n/a".to_owned(), |c| format!(
+                "{c:.3} s = {:.2} % of one core",
+                c / secs * 100.0
+            ))
+        );
+        println!(
+            "redis CPU       {}",
+            usage.redis_cpu.map_or("n/a".to_owned(), |c| format!(
+                "{c:.3} s = {:.2} % of one core",
+                c / secs * 100.0
+            ))
+        );
+        println!(
+            "node queries    {node_tx} transactions = {:.1} /s (xact_commit + xact_rollback of \
+             {DB_NAME} in pg_stat_database, minus the benchmark's own read; backends report \
+             at most once a second, so the count is accurate to about a second's worth)",
+            node_tx as f64 / secs
+        );
+        Ok(())
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Helpers
+
+    fn producer(&self) -> Producer {
+        Producer::new(Limits {
+            max_payload_bytes: self.config.producer.max_payload_bytes,
+            max_header_bytes: self.config.producer.max_header_bytes,
+        })
+    }
+
+    /// Starts a node on the scratch database, under the benchmark's Redis prefix.
+    async fn start_node(&self, delete_published: bool) -> anyhow::Result<NodeHandle> {
+        let mut cfg = self.config.clone();
+        cfg.database.url = Some(Secret::new(self.url.clone()));
+        cfg.redis.key_prefix = self.prefix.clone();
+        cfg.node.id = NODE_ID.to_owned();
+        cfg.admin.listen = "127.0.0.1:0".to_owned();
+        cfg.relay.delete_published = delete_published;
+        let handle = tokio::task::spawn_blocking(move || node::start(&cfg))
+            .await
+            .context("the node's start-up thread failed")?
+            .context("starting the node")?;
+        Ok(handle)
+    }
+
+    /// Waits until the node owns every partition.
+    async fn wait_owned(&self, node: &NodeHandle) -> anyhow::Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while node.owned_partitions().await.len() < self.partitions as usize {
+            if Instant::now() > deadline {
+                bail!("the node did not acquire all partitions within 30 s");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok(())
+    }
+
+    async fn snapshot(&self) -> Snapshot {
+        let redis_cpu = info(&mut self.rconn.clone(), "cpu")
+            .await
+            .ok()
+            .and_then(|i| {
+                let user = info_field(&i, "used_cpu_user")?.parse::<f64>().ok()?;
+                let sys = info_field(&i, "used_cpu_sys")?.parse::<f64>().ok()?;
+                Some(user + sys)
+            });
+        Snapshot {
+            at: Instant::now(),
+            proc_ticks: self_cpu_ticks(),
+            pg_ticks: postgres_cpu_ticks().filter(|(n, _)| *n > 0).map(|(_, t)| t),
+            redis_cpu,
+        }
+    }
+}
+
+/// The bare relay loop: read a batch, XADD it in one pipeline, mark it; until no row is left.
+async fn bare_loop(
+    store: Store,
+    mut conn: MultiplexedConnection,
+    stream: String,
+    partitions: Vec<i32>,
+    order: BareOrder,
+    delete: bool,
+) -> anyhow::Result<u64> {
+    let mut published = 0u64;
+    loop {
+        let rows = store.bare_claim(&partitions, BARE_BATCH, order).await?;
+        if rows.is_empty() {
+            return Ok(published);
+        }
+        let mut pipe = redis::pipe();
+        for r in &rows {
+            pipe.cmd("XADD")
+                .arg(&stream)
+                .arg("*")
+                .arg("id")
+                .arg(r.event_id.to_string())
+                .arg("type")
+                .arg(&r.event_type)
+                .arg("data")
+                .arg(&r.payload);
+        }
+        let ids: Vec<String> = pipe.query_async(&mut conn).await.context("XADD pipeline")?;
+        if ids.len() != rows.len() {
+            bail!("{} XADDs sent, {} acknowledged", rows.len(), ids.len());
+        }
+        let row_ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
+        store.bare_mark(&row_ids, delete).await?;
+        published += rows.len() as u64;
+    }
+}
+
+fn noop() -> Arc<dyn Fn(u64) + Send + Sync> {
+    Arc::new(|_| {})
+}
+
+fn print_steady_row(
+    rate: u32,
+    report: &LoadReport,
+    lat: &store::bench::PublishLatency,
+    usage: &Usage,
+) {
+    let ms = |v: Option<f64>| v.map_or("-".to_owned(), |s| format!("{:.1}", s * 1000.0));
+    let pct = |v: Option<f64>| {
+        v.map_or("n/a".to_owned(), |c| {
+            format!("{:.0}", c / usage.wall.as_secs_f64().max(1e-9) * 100.0)
+        })
+    };
+    println!(
+        "{:>9} {:>9} {:>10.0} {:>9} {:>8} {:>8} {:>8} {:>9} {:>7} {:>7} {:>7}",
+        rate,
+        report.events,
+        report.events_per_sec(),
+        lat.rows,
+        ms(lat.p50),
+        ms(lat.p90),
+        ms(lat.p99),
+        ms(lat.max),
+        pct(usage.proc_cpu),
+        pct(usage.pg_cpu),
+        pct(usage.redis_cpu)
+    );
+}
+
+// -------------------------------------------------------------------------------------------
+// Resource usage
+
+/// CPU counters at one instant.
+#[derive(Debug, Clone, Copy)]
+struct Snapshot {
+    at: Instant,
+    /// This process: utime + stime, in clock ticks.
+    proc_ticks: Option<u64>,
+    /// Every local `postgres` process: utime + stime + cutime + cstime, in clock ticks.
+    pg_ticks: Option<u64>,
+    /// Redis: used_cpu_user + used_cpu_sys, in seconds.
+    redis_cpu: Option<f64>,
+}
+
+/// CPU seconds spent between two snapshots.
+#[derive(Debug, Clone, Copy)]
+struct Usage {
+    wall: Duration,
+    proc_cpu: Option<f64>,
+    pg_cpu: Option<f64>,
+    redis_cpu: Option<f64>,
+}
+
+impl Snapshot {
+    fn diff(&self, later: &Snapshot, clk_tck: f64) -> Usage {
+        let ticks = |a: Option<u64>, b: Option<u64>| match (a, b) {
+            (Some(a), Some(b)) => Some(b.saturating_sub(a) as f64 / clk_tck),
+            _ => None,
+        };
+        Usage {
+            wall: later.at.duration_since(self.at),
+            proc_cpu: ticks(self.proc_ticks, later.proc_ticks),
+            pg_cpu: ticks(self.pg_ticks, later.pg_ticks),
+            redis_cpu: match (self.redis_cpu, later.redis_cpu) {
+                (Some(a), Some(b)) => Some((b - a).max(0.0)),
+                _ => None,
+            },
+        }
+    }
+}
+
+fn print_usage(u: &Usage, events: u64) {
+    let secs = u.wall.as_secs_f64().max(1e-9);
+    println!(
+        "{:<16}{:>10} {:>13} {:>10}",
+        "CPU", "seconds", "% of a core", "µs/event"
+    );
+    for (label, v) in [
+        ("  this process", u.proc_cpu),
+        ("  postgres", u.pg_cpu),
+        ("  redis", u.redis_cpu),
+    ] {
+        match v {
+            Some(c) => println!(
+                "{label:<16}{c:>10.2} {:>13.0} {:>10.1}",
+                c / secs * 100.0,
+                c * 1e6 / events.max(1) as f64
+            ),
+            None => println!("{label:<16}{:>10}", "n/a"),
+        }
+    }
+}
+
+/// Clock ticks per second of `/proc/*/stat` times (`getconf CLK_TCK`; 100 on every common
+/// Linux platform when it cannot be asked).
+fn clk_tck() -> f64 {
+    std::process::Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|s| s.trim().parse::<f64>().ok())
+        .filter(|t| *t > 0.0)
+        .unwrap_or(100.0)
+}
+
+/// The fields of `/proc/<pid>/stat` after the command name (which may contain spaces), and the
+/// command name. Field 3 of proc(5) (`state`) is index 0.
+fn proc_stat(path: &str) -> Option<(String, Vec<u64>)> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let open = text.find('(')?;
+    let close = text.rfind(')')?;
+    let comm = text.get(open + 1..close)?.to_owned();
+    let fields = text
+        .get(close + 1..)?
+        .split_whitespace()
+        .map(|f| f.parse::<u64>().unwrap_or(0))
+        .collect();
+    Some((comm, fields))
+}
+
+/// utime (field 14) + stime (15) of this process, all threads included.
+fn self_cpu_ticks() -> Option<u64> {
+    let (_, f) = proc_stat("/proc/self/stat")?;
+    Some(f.get(11)? + f.get(12)?)
+}
+
+/// (processes, ticks): utime + stime + cutime + cstime (fields 14-17) of every process named
+/// `postgres`. The postmaster's child times hold the backends that exited, so a backend ending
+/// between two readings does not take its CPU time with it.
+fn postgres_cpu_ticks() -> Option<(usize, u64)> {
+    let mut n = 0;
+    let mut ticks = 0;
+    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .filter(|s| s.bytes().all(|b| b.is_ascii_digit()))
+        else {
+            continue;
+        };
+        let Some((comm, f)) = proc_stat(&format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        if comm != "postgres" {
+            continue;
+        }
+        n += 1;
+        ticks += f.iter().skip(11).take(4).sum::<u64>();
+    }
+    Some((n, ticks))
+}
+
+/// A `Vm*` line of `/proc/self/status`, in KiB.
+fn proc_status_kib(key: &str) -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/self/status").ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// Resets this process's peak RSS to its current RSS (proc(5), `/proc/pid/clear_refs`, value 5).
+fn reset_peak_rss() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
+fn mib(kib: Option<u64>) -> String {
+    kib.map_or("n/a".to_owned(), |k| {
+        format!("{:.1} MiB", k as f64 / 1024.0)
+    })
+}
+
+fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.trim().to_owned())
+        })
+        .unwrap_or_else(|| "unknown CPU model".to_owned())
+}
+
+/// The command line as typed, quoted where a shell would need it.
+fn command_line() -> String {
+    std::env::args()
+        .map(|a| {
+            let plain = !a.is_empty()
+                && a.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"-_./=,:@+%".contains(&b));
+            if plain {
+                a
+            } else {
+                format!("'{}'", a.replace('\'', r"'\''"))
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+// -------------------------------------------------------------------------------------------
+// Redis
+
+async fn redis_conn(client: &redis::Client) -> anyhow::Result<MultiplexedConnection> {
+    let config =
+        redis::AsyncConnectionConfig::new().set_response_timeout(Some(Duration::from_secs(60)));
+    client
+        .get_multiplexed_async_connection_with_config(&config)
+        .await
+        .context("connecting to Redis")
+}
+
+/// The text of `INFO <section>`.
+async fn info(conn: &mut MultiplexedConnection, section: &str) -> anyhow::Result<String> {
+    Ok(redis::cmd("INFO").arg(section).query_async(conn).await?)
+}
+
+/// One `field:value` line of an `INFO` text.
+fn info_field<'a>(info: &'a str, field: &str) -> Option<&'a str> {
+    info.lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .map(str::trim)
+}
+
+async fn scan_keys(conn: &mut MultiplexedConnection, pattern: &str) -> anyhow::Result<Vec<String>> {
+    let mut keys = Vec::new();
+    let mut cursor = 0u64;
+    loop {
+        let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(pattern)
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(conn)
+            .await?;
+        keys.extend(batch);
+        if next == 0 {
+            break;
+        }
+        cursor = next;
+    }
+    keys.sort();
+    keys.dedup();
+    Ok(keys)
+}
+
+/// Entries of every stream whose key matches `pattern`.
+async fn stream_entries(conn: &mut MultiplexedConnection, pattern: &str) -> anyhow::Result<u64> {
+    let mut total = 0;
+    for key in scan_keys(conn, pattern).await? {
+        let kind: String = redis::cmd("TYPE").arg(&key).query_async(conn).await?;
+        if kind == "stream" {
+            let n: u64 = redis::cmd("XLEN").arg(&key).query_async(conn).await?;
+            total += n;
+        }
+    }
+    Ok(total)
+}
+
+/// Deletes every key under `prefix` (SCAN + DEL).
+async fn delete_prefix_keys(conn: &mut MultiplexedConnection, prefix: &str) -> anyhow::Result<()> {
+    let keys = scan_keys(conn, &format!("{prefix}*")).await?;
+    for chunk in keys.chunks(500) {
+        let _: u64 = redis::cmd("DEL").arg(chunk).query_async(conn).await?;
+    }
+    Ok(())
+}
