@@ -144,6 +144,7 @@ pub(super) async fn run(config: &Config, args: RelayBench) -> anyhow::Result<()>
             pool_size: args.steady_writers.max(args.baseline_loops) + 4,
             connect_timeout: Duration::from_secs(10),
             application_name: "outpost bench relay".to_owned(),
+            async_commit: false,
         })
         .await?;
         store::migrate_up(&store).await?;

@@ -272,6 +272,8 @@ pub struct RelayConfig {
     pub batch_rows: u32,
     /// Payload bytes per batch, 1024..=67108864.
     pub batch_bytes: usize,
+    /// Batches a worker runs at once (claim to mark); bounds memory and database concurrency.
+    pub max_in_flight: u32,
     /// Publishing workers; 0 means the number of cores. 0..=64.
     pub workers: u32,
     /// Scheduled poll that catches missed nudges, in milliseconds, 10..=60000.
@@ -299,6 +301,7 @@ impl Default for RelayConfig {
         Self {
             batch_rows: 500,
             batch_bytes: 4_194_304,
+            max_in_flight: 4,
             workers: 0,
             poll_interval_ms: 1000,
             busy_poll_ms: 2,

@@ -114,6 +114,7 @@ pub(crate) const FIELDS: &[Field] = &[
     uint("producer", "max_header_bytes", 1, 65_536, "bytes"),
     uint("relay", "batch_rows", 1, 10_000, "rows"),
     uint("relay", "batch_bytes", 1024, 67_108_864, "bytes"),
+    uint("relay", "max_in_flight", 1, 256, "batches per worker"),
     uint("relay", "workers", 0, 64, "workers, 0 = number of cores"),
     uint("relay", "poll_interval_ms", 10, 60_000, MS),
     uint("relay", "busy_poll_ms", 1, 1000, MS),

@@ -95,6 +95,9 @@ pub struct Worker {
     pub store: Store,
     /// Redis connection of this worker.
     pub publisher: Publisher,
+    /// Batch slots (`relay.max_in_flight`): a batch holds one from claim to mark, so at most
+    /// that many batches per worker are in memory and talking to the database.
+    pub slots: Arc<tokio::sync::Semaphore>,
     /// Node-wide state.
     pub shared: Arc<Shared>,
 }
@@ -156,6 +159,11 @@ struct Plan {
 
 /// Runs one batch for `lease`.
 pub async fn run_batch(worker: &Worker, lease: &LeaseRef) -> Result<BatchOutcome, BatchError> {
+    let _slot = worker
+        .slots
+        .acquire()
+        .await
+        .map_err(|_| BatchError::Transient("the worker is shutting down".to_owned()))?;
     let settings = &worker.shared.settings;
     let started = Instant::now();
     let rows = worker

@@ -178,15 +178,18 @@ async fn boot(config: Config) -> Result<Booted, NodeError> {
     };
     let node_id = node_id(&config);
     let workers_n = config.relay.effective_workers().max(1);
-    let per_worker_pool = (config.database.pool_size / workers_n as u32).max(2);
-    let connect = |purpose: &str, pool: u32| ConnectSettings {
+    // A worker needs a connection per batch in flight; more would sit idle.
+    let per_worker_pool =
+        (config.database.pool_size / workers_n as u32).clamp(2, config.relay.max_in_flight.max(2));
+    let connect = |purpose: &str, pool: u32, async_commit: bool| ConnectSettings {
         url: db_url.clone(),
         pool_size: pool,
         connect_timeout: config.database.connect_timeout(),
         application_name: format!("outpost {purpose} {node_id}"),
+        async_commit,
     };
 
-    let store = Store::connect(&connect("supervisor", 4)).await?;
+    let store = Store::connect(&connect("supervisor", 4, false)).await?;
     if crate::store::migrate_status(&store)
         .await?
         .iter()
@@ -225,10 +228,11 @@ async fn boot(config: Config) -> Result<Booted, NodeError> {
         let arbiter = Arbiter::new().handle();
         let (tx, rx) = oneshot::channel();
         let (settings, redis, shared) = (
-            connect(&format!("worker {i}"), per_worker_pool),
+            connect(&format!("worker {i}"), per_worker_pool, true),
             redis.clone(),
             shared.clone(),
         );
+        let slots = config.relay.max_in_flight as usize;
         arbiter.spawn(async move {
             let made = async {
                 let store = Store::connect(&settings).await?;
@@ -236,6 +240,7 @@ async fn boot(config: Config) -> Result<Booted, NodeError> {
                 Ok::<_, NodeError>(Worker {
                     store,
                     publisher,
+                    slots: Arc::new(tokio::sync::Semaphore::new(slots)),
                     shared,
                 })
             }

@@ -145,9 +145,8 @@ impl PartitionActor {
                 let more = matches!(outcome, BatchOutcome::Done { full: true, .. });
                 if self.stopping {
                     self.finish();
-                } else if more || self.again || matches!(outcome, BatchOutcome::Done { .. }) {
-                    // After a batch that found rows, look once more: rows may have committed
-                    // meanwhile. An empty claim ends the run.
+                } else if more || self.again {
+                    // A full batch, or a wake-up during the batch: more rows may be ready.
                     self.next_batch(ctx);
                 } else {
                     self.report.do_send(PartitionReport::Idle(p));

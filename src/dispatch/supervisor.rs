@@ -8,7 +8,9 @@
 //!   still tries is fenced). Publishing also stops locally when renewals fail for longer than
 //!   the lease minus a margin ([`LeaseDeadline`](super::batch::LeaseDeadline)).
 //! - **Wake-ups.** See [`super::wakeup`]: busy polls for ready partitions among the idle ones,
-//!   nudges from producers while idle, a scheduled poll for missed nudges.
+//!   nudges from producers while idle, and the heartbeat tick, which also reports which held
+//!   partitions have ready rows, as the scheduled poll for missed nudges. An idle node therefore
+//!   runs one statement per heartbeat.
 //! - **Shutdown.** Stop polling, ask every actor to stop after its batch, release every lease
 //!   (the next owner starts at once), deregister; partitions whose batch does not finish by the
 //!   deadline are released anyway — their late publishes are fenced.
@@ -27,7 +29,7 @@ use super::partition::{PartitionActor, PartitionReport, Stop, Wake};
 use super::wakeup::{Action, WakePolicy, Wakeup};
 use crate::metrics as m;
 use crate::publish::Publisher;
-use crate::store::{Lease, LeaseRef, Nudge, NudgeListener, Store};
+use crate::store::{Lease, LeaseRef, LeaseTick, Nudge, NudgeListener, Store};
 
 /// What readiness and liveness report; updated by the supervisor.
 #[derive(Debug, Default)]
@@ -159,8 +161,11 @@ impl NodeSupervisor {
             polling: false,
             shutdown: None,
             to_release: Vec::new(),
+            // Refresh the backlog gauges at the first tick, then only after work.
             worked_since_backlog: true,
-            last_backlog: Instant::now(),
+            last_backlog: Instant::now()
+                .checked_sub(Duration::from_secs(15))
+                .unwrap_or_else(Instant::now),
         }
     }
 
@@ -229,7 +234,13 @@ impl NodeSupervisor {
         }
     }
 
-    fn on_tick(&mut self, held: Vec<Lease>, live: u32, partitions: u32, ctx: &mut Context<Self>) {
+    fn on_tick(&mut self, tick: LeaseTick, ctx: &mut Context<Self>) {
+        let LeaseTick {
+            held,
+            ready,
+            live_nodes: live,
+            partitions,
+        } = tick;
         let held_now: BTreeMap<i32, Lease> = held.iter().map(|l| (l.partition, *l)).collect();
         // Leases taken over by another node: drop the actor; anything it still does is fenced.
         let lost: Vec<i32> = self
@@ -272,6 +283,16 @@ impl NodeSupervisor {
         }
         if self.shutting_down() {
             return;
+        }
+        // The tick is also the idle node's scheduled poll: it catches missed nudges.
+        if !ready.is_empty() {
+            for p in &ready {
+                self.wake_partition(*p);
+            }
+            let action = self.wake.polled(true, Instant::now());
+            self.apply(action, ctx);
+            let wait = self.wake.next_wait();
+            self.schedule_poll(ctx, wait);
         }
         // Fair share.
         let target = partitions.div_ceil(live.max(1)) as usize;
@@ -368,7 +389,7 @@ impl NodeSupervisor {
                         for (_, w) in &act.workers {
                             w.shared.deadline.extend_to(until);
                         }
-                        act.on_tick(tick.held, tick.live_nodes, tick.partitions, ctx);
+                        act.on_tick(tick, ctx);
                     }
                     Err(e) => {
                         act.health.database.store(false, Ordering::Relaxed);
@@ -456,8 +477,12 @@ impl NodeSupervisor {
                     }
                     let action = act.wake.polled(busy || !ready.is_empty(), Instant::now());
                     act.apply(action, ctx);
-                    let wait = act.wake.next_wait();
-                    act.schedule_poll(ctx, wait);
+                    // Idle: no polling timer; the heartbeat tick is the scheduled poll, and a
+                    // nudge ends the idleness.
+                    if !act.wake.is_idle() {
+                        let wait = act.wake.next_wait();
+                        act.schedule_poll(ctx, wait);
+                    }
                 }),
         );
     }

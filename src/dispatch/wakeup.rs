@@ -9,8 +9,8 @@
 //! - When polls have found nothing for `idle_after`, the node **enters idle**: it sets
 //!   `wants_nudge` (producers start to NOTIFY), then polls once more, so a commit that landed
 //!   before the flag was visible is not missed.
-//! - **Idle**: the node waits for a nudge or for the scheduled poll every `poll_interval`
-//!   (a missed nudge only waits for that poll). A nudge or a poll that finds work makes it
+//! - **Idle**: the node waits for a nudge or for the scheduled poll (the supervisor's heartbeat
+//!   tick; a missed nudge only waits for it). A nudge or a poll that finds work makes it
 //!   **leave idle**: it clears `wants_nudge` and is busy again.
 //!
 //! The state machine is pure: the caller performs the [`Action`]s.
@@ -24,8 +24,8 @@ pub struct WakePolicy {
     pub busy_poll: Duration,
     /// How long without work before asking for nudges (`relay.idle_after_ms`).
     pub idle_after: Duration,
-    /// Scheduled poll while idle, and the ceiling of the busy back-off
-    /// (`relay.poll_interval_ms`).
+    /// Ceiling of the busy back-off (`relay.poll_interval_ms`); while idle, [`Wakeup::next_wait`]
+    /// returns it too, for callers without a scheduled poll of their own.
     pub poll_interval: Duration,
 }
 

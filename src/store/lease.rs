@@ -24,6 +24,9 @@ pub struct Lease {
 pub struct LeaseTick {
     /// Leases this node still holds, renewed.
     pub held: Vec<Lease>,
+    /// Of those, the partitions with rows ready to publish now (the scheduled poll that catches
+    /// missed nudges).
+    pub ready: Vec<i32>,
     /// Nodes with a heartbeat younger than the node TTL (including this one).
     pub live_nodes: u32,
     /// Total number of partitions.
@@ -43,9 +46,10 @@ fn leases(rows: Vec<sea_orm::QueryResult>) -> Result<Vec<Lease>, StoreError> {
 }
 
 impl Store {
-    /// Heartbeat and lease renewal in one statement: refreshes the node's heartbeat, extends
-    /// every lease it owns by `lease_ms`, and counts the live nodes (heartbeat within
-    /// `node_ttl_ms`).
+    /// Heartbeat, lease renewal and the scheduled poll in one statement: refreshes the node's
+    /// heartbeat, extends every lease it owns by `lease_ms`, says which of them have rows ready,
+    /// and counts the live nodes (heartbeat within `node_ttl_ms`). An idle node runs only this,
+    /// once per heartbeat.
     pub async fn lease_tick(
         &self,
         node_id: &str,
@@ -61,6 +65,10 @@ impl Store {
                                   SET lease_until = now() + $2 * interval '1 millisecond' \
                                   WHERE owner = $1 RETURNING partition, epoch, paused) \
                  SELECT r.partition, r.epoch, r.paused, \
+                        r.partition IS NOT NULL AND EXISTS ( \
+                          SELECT 1 FROM outpost_event e WHERE e.partition = r.partition \
+                          AND e.status IN ('pending', 'retry_wait') \
+                          AND e.next_attempt_at <= now()), \
                         (SELECT count(*) FROM outpost_node \
                          WHERE heartbeat_at > now() - $3 * interval '1 millisecond' \
                             OR node_id IN (SELECT node_id FROM hb))::int8, \
@@ -72,12 +80,16 @@ impl Store {
             .await
             .map_err(StoreError::from_db)?;
         let mut held = Vec::with_capacity(rows.len());
+        let mut ready = Vec::new();
         let (mut live_nodes, mut partitions) = (1u32, 0u32);
         for r in rows {
             let p: Option<i32> = r.try_get_by_index(0).map_err(StoreError::from_db)?;
-            live_nodes = count(r.try_get_by_index(3).map_err(StoreError::from_db)?);
-            partitions = count(r.try_get_by_index(4).map_err(StoreError::from_db)?);
+            live_nodes = count(r.try_get_by_index(4).map_err(StoreError::from_db)?);
+            partitions = count(r.try_get_by_index(5).map_err(StoreError::from_db)?);
             if let Some(partition) = p {
+                if r.try_get_by_index::<bool>(3).map_err(StoreError::from_db)? {
+                    ready.push(partition);
+                }
                 held.push(Lease {
                     partition,
                     epoch: r.try_get_by_index(1).map_err(StoreError::from_db)?,
@@ -87,6 +99,7 @@ impl Store {
         }
         Ok(LeaseTick {
             held,
+            ready,
             live_nodes: live_nodes.max(1),
             partitions,
         })

@@ -45,6 +45,11 @@ pub struct ConnectSettings {
     /// `application_name` shown in `pg_stat_activity`, so an operator can tell relay sessions
     /// apart (and terminate them) without guessing.
     pub application_name: String,
+    /// `synchronous_commit = off` for this pool's sessions. Only for the relay's workers: their
+    /// writes are marks and retry records, and a mark lost in a database crash only means its
+    /// rows are published again (a duplicate with the same event id), never a lost event. Lease
+    /// changes and operator actions always commit durably.
+    pub async_commit: bool,
 }
 
 /// A handle on Outpost's database: a connection pool plus the backend it speaks.
@@ -59,14 +64,20 @@ impl Store {
     pub async fn connect(settings: &ConnectSettings) -> Result<Self, StoreError> {
         let mut opts = ConnectOptions::new(settings.url.clone());
         let app = settings.application_name.clone();
+        let sync_commit = if settings.async_commit { "off" } else { "on" };
         opts.max_connections(settings.pool_size)
             .min_connections(0)
             .connect_timeout(settings.connect_timeout)
             .acquire_timeout(settings.connect_timeout)
+            // A ping before every checkout would add a round trip to every query; a broken
+            // connection shows up as a transient error on use instead.
+            .test_before_acquire_if_idle_for(Duration::from_secs(30))
             .sqlx_logging(false)
             .map_sqlx_postgres_opts(move |o: PgConnectOptions| {
-                o.application_name(&app)
-                    .options([("random_page_cost", "1.1")])
+                o.application_name(&app).options([
+                    ("random_page_cost", "1.1"),
+                    ("synchronous_commit", sync_commit),
+                ])
             });
         let db = Database::connect(opts).await.map_err(StoreError::from_db)?;
         if db.get_database_backend() != DbBackend::Postgres {
