@@ -61,6 +61,9 @@ pub struct PartitionActor {
     stopping: bool,
     retired: bool,
     failures: u32,
+    /// Panics since the last successful batch: restarts back off, so a deterministic panic does
+    /// not spin.
+    panics: u32,
 }
 
 impl std::fmt::Debug for PartitionActor {
@@ -96,6 +99,7 @@ impl PartitionActor {
             stopping: false,
             retired: false,
             failures: 0,
+            panics: 0,
         }
     }
 
@@ -137,11 +141,13 @@ impl PartitionActor {
                     .unwrap_or_default();
                 tracing::error!(partition = p, panic = %what, "partition actor panicked; restarting");
                 self.restarts.fetch_add(1, Ordering::Relaxed);
+                self.panics = self.panics.saturating_add(1);
                 counter!(m::ACTOR_RESTARTS).increment(1);
                 ctx.stop();
             }
             Ok(Ok(outcome)) => {
                 self.failures = 0;
+                self.panics = 0;
                 let more = matches!(outcome, BatchOutcome::Done { full: true, .. });
                 if self.stopping {
                     self.finish();
@@ -193,8 +199,23 @@ impl Actor for PartitionActor {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Context<Self>) {
-        // Fresh start or restart after a panic: the database says what is ready.
-        self.next_batch(ctx);
+        // Fresh start or restart after a panic: the database says what is ready. After repeated
+        // panics, wait a little longer each time before trying again.
+        if self.panics > 1 {
+            let wait = backoff::delay(
+                self.panics - 1,
+                self.transient_base,
+                self.transient_max,
+                &mut rand::rng(),
+            );
+            self.backing_off = true;
+            ctx.run_later(wait, |act, ctx| {
+                act.backing_off = false;
+                act.next_batch(ctx);
+            });
+        } else {
+            self.next_batch(ctx);
+        }
     }
 }
 

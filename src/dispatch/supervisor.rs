@@ -255,6 +255,19 @@ impl NodeSupervisor {
             tracing::warn!(partition = p, "lease taken over by another node");
             self.slots.remove(&p);
         }
+        // Leases the database still gives this node but no actor serves (an actor that retired
+        // on a lost lease whose row still names us): give them back, so they do not stay renewed
+        // and unserved; fair share takes them again, with a new epoch.
+        let orphans: Vec<Lease> = held_now
+            .values()
+            .filter(|l| !self.slots.contains_key(&l.partition))
+            .filter(|l| !self.to_release.iter().any(|r| r.partition == l.partition))
+            .copied()
+            .collect();
+        if !orphans.is_empty() {
+            self.to_release.extend(orphans);
+            self.release_pending(ctx);
+        }
         // Pause and resume, as recorded in the database.
         let changes: Vec<(i32, bool)> = held_now
             .values()
