@@ -5,6 +5,7 @@ mod bench;
 mod bench_relay;
 mod config_cmd;
 mod migrate;
+mod pause;
 mod produce;
 mod run;
 mod status;
@@ -53,7 +54,11 @@ pub enum Command {
         #[command(subcommand)]
         action: config_cmd::ConfigAction,
     },
-    /// Backlog by state and partition, oldest pending age, leases.
+    /// Pause partitions: their owner publishes nothing more after its batch in flight.
+    Pause(pause::PartitionArgs),
+    /// Resume paused partitions.
+    Resume(pause::PartitionArgs),
+    /// Backlog by state and partition, oldest pending age, nodes and leases.
     Status(status::StatusArgs),
     /// Write load through the real producer API.
     Produce(produce::ProduceArgs),
@@ -97,6 +102,8 @@ pub fn main() -> ExitCode {
             Command::Run(args) => run::run(&config, args).await,
             Command::Migrate { action } => migrate::run(&config, action).await,
             Command::Status(args) => status::run(&config, args).await,
+            Command::Pause(args) => pause::run(&config, args, true).await,
+            Command::Resume(args) => pause::run(&config, args, false).await,
             Command::Produce(args) => produce::run(&config, args).await,
             Command::Bench { which } => bench::run(&config, which).await,
             Command::Config { .. } => Ok(()),

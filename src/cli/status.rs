@@ -25,6 +25,11 @@ pub(super) async fn run(config: &Config, args: StatusArgs) -> anyhow::Result<()>
                 .map(|s| (s.status.clone(), serde_json::Value::from(s.rows)))
                 .collect::<serde_json::Map<_, _>>(),
             "oldest_pending_age_secs": backlog.oldest_pending_age_secs,
+            "nodes": backlog.nodes.iter().map(|n| serde_json::json!({
+                "node_id": n.node_id, "hostname": n.hostname, "pid": n.pid,
+                "version": n.version, "heartbeat_age_secs": n.heartbeat_age_secs,
+                "leases": n.leases,
+            })).collect::<Vec<_>>(),
             "partitions": backlog.partitions.iter().map(|p| serde_json::json!({
                 "partition": p.partition, "ready": p.ready, "owner": p.owner,
                 "epoch": p.epoch, "paused": p.paused,
@@ -45,6 +50,14 @@ pub(super) async fn run(config: &Config, args: StatusArgs) -> anyhow::Result<()>
     match backlog.oldest_pending_age_secs {
         Some(age) => writeln!(out, "oldest pending: {age:.3} s")?,
         None => writeln!(out, "oldest pending: none")?,
+    }
+    writeln!(out, "nodes ({}):", backlog.nodes.len())?;
+    for n in &backlog.nodes {
+        writeln!(
+            out,
+            "  {:<24} leases {:>4}  heartbeat {:>7.1} s ago  {} pid {} v{}",
+            n.node_id, n.leases, n.heartbeat_age_secs, n.hostname, n.pid, n.version
+        )?;
     }
     writeln!(out, "partitions ({}):", backlog.partitions.len())?;
     writeln!(

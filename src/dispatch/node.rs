@@ -76,8 +76,8 @@ impl NodeHandle {
         self.admin_addr
     }
 
-    /// Partitions owned right now, with epochs.
-    pub async fn owned_partitions(&self) -> Vec<(i32, i64)> {
+    /// Partitions owned right now: `(partition, epoch, paused)`.
+    pub async fn owned_partitions(&self) -> Vec<(i32, i64, bool)> {
         self.supervisor
             .send(OwnedPartitions)
             .await
@@ -113,7 +113,8 @@ pub fn node_id(config: &Config) -> String {
     }
 }
 
-fn hostname() -> String {
+/// This machine's host name (for node ids and the audit log).
+pub fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|s| s.trim().to_owned())
         .ok()

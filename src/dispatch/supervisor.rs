@@ -99,9 +99,10 @@ pub struct Shutdown {
     pub done: oneshot::Sender<()>,
 }
 
-/// Partitions this node currently owns, with their epochs.
+/// Partitions this node currently owns: `(partition, epoch, paused)`, paused meaning that the
+/// node holds the lease but its actor has stopped publishing.
 #[derive(Debug, Message)]
-#[rtype(result = "Vec<(i32, i64)>")]
+#[rtype(result = "Vec<(i32, i64, bool)>")]
 pub struct OwnedPartitions;
 
 #[derive(Debug, Message)]
@@ -736,7 +737,7 @@ impl Handler<OwnedPartitions> for NodeSupervisor {
         MessageResult(
             self.slots
                 .values()
-                .map(|s| (s.lease.partition, s.lease.epoch))
+                .map(|s| (s.lease.partition, s.lease.epoch, s.state == SlotState::Paused))
                 .collect(),
         )
     }

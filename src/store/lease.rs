@@ -3,7 +3,7 @@
 //! All lease time is the database's clock (`now()`); a node never compares its own wall clock
 //! with `lease_until`.
 
-use sea_orm::ConnectionTrait;
+use sea_orm::{ConnectionTrait, TransactionTrait};
 
 use super::sql::num_array;
 use super::{Store, StoreError, stmt};
@@ -171,25 +171,56 @@ impl Store {
         Ok(res.rows_affected())
     }
 
-    /// Pauses or resumes a partition. Persisted: whichever node owns it honours it, also after
-    /// restarts. Returns false when the partition does not exist.
+    /// Pauses or resumes partitions, and records the action in the audit log in the same
+    /// transaction. Persisted: whichever node owns a partition honours it at its next heartbeat,
+    /// also after restarts. Returns the partitions whose state changed.
     pub async fn set_paused(
         &self,
-        partition: i32,
+        partitions: &[i32],
         paused: bool,
-        by: &str,
-    ) -> Result<bool, StoreError> {
-        let res = self
+        actor: &str,
+        role: &str,
+    ) -> Result<Vec<i32>, StoreError> {
+        let txn = self
             .connection()
-            .execute_raw(stmt(
-                "UPDATE outpost_partition SET paused = $2, \
-                   paused_at = CASE WHEN $2 THEN now() END, paused_by = CASE WHEN $2 THEN $3 END \
-                 WHERE partition = $1",
-                [partition.into(), paused.into(), by.into()],
-            ))
+            .begin()
             .await
             .map_err(StoreError::from_db)?;
-        Ok(res.rows_affected() == 1)
+        let changed = txn
+            .query_all_raw(stmt(
+                "UPDATE outpost_partition SET paused = $2, \
+                   paused_at = CASE WHEN $2 THEN now() END, \
+                   paused_by = CASE WHEN $2 THEN $3 END \
+                 WHERE partition = ANY($1::int4[]) AND paused <> $2 RETURNING partition",
+                [num_array(partitions).into(), paused.into(), actor.into()],
+            ))
+            .await
+            .map_err(StoreError::from_db)?
+            .into_iter()
+            .map(|r| r.try_get_by_index::<i32>(0).map_err(StoreError::from_db))
+            .collect::<Result<Vec<i32>, _>>()?;
+        let action = if paused {
+            "partition.pause"
+        } else {
+            "partition.resume"
+        };
+        txn.execute_raw(stmt(
+            "INSERT INTO outpost_audit (actor, role, action, target, detail) \
+             VALUES ($1, $2, $3, $4, jsonb_build_object('requested', $5::int4[], \
+                                                        'changed', $6::int4[]))",
+            [
+                actor.into(),
+                role.into(),
+                action.into(),
+                num_array(partitions).into(),
+                num_array(partitions).into(),
+                num_array(&changed).into(),
+            ],
+        ))
+        .await
+        .map_err(StoreError::from_db)?;
+        txn.commit().await.map_err(StoreError::from_db)?;
+        Ok(changed)
     }
 }
 

@@ -31,7 +31,7 @@ pub use lease::{Lease, LeaseTick};
 pub use listen::{Nudge, NudgeListener, WAKEUP_CHANNEL};
 pub use migrate::{MigrationState, migrate_down, migrate_status, migrate_up};
 pub use node::NodeInfo;
-pub use status::{Backlog, PartitionBacklog, StatusCount, backlog};
+pub use status::{Backlog, NodeStatus, PartitionBacklog, StatusCount, backlog};
 
 /// How a pool is opened: the URL and the knobs an operator may tune.
 #[derive(Debug, Clone)]

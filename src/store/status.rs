@@ -29,6 +29,23 @@ pub struct PartitionBacklog {
     pub paused: bool,
 }
 
+/// A relay node as operators see it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NodeStatus {
+    /// Node id.
+    pub node_id: String,
+    /// Host and process.
+    pub hostname: String,
+    /// Process id.
+    pub pid: i32,
+    /// Outpost version.
+    pub version: String,
+    /// Seconds since its last heartbeat (database clock).
+    pub heartbeat_age_secs: f64,
+    /// Partitions it holds.
+    pub leases: i64,
+}
+
 /// The backlog as operators see it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Backlog {
@@ -36,6 +53,8 @@ pub struct Backlog {
     pub by_status: Vec<StatusCount>,
     /// Every partition, with its undelivered rows and lease.
     pub partitions: Vec<PartitionBacklog>,
+    /// Registered relay nodes.
+    pub nodes: Vec<NodeStatus>,
     /// Age in seconds of the oldest row not yet delivered (pending, retrying or held), by the
     /// database clock; `None` when there is none.
     pub oldest_pending_age_secs: Option<f64>,
@@ -104,9 +123,32 @@ pub async fn backlog(store: &Store) -> Result<Backlog, StoreError> {
             .map_err(StoreError::from_db)?,
         None => None,
     };
+    let nodes = db
+        .query_all_raw(stmt(
+            "SELECT n.node_id, n.hostname, n.pid, n.version, \
+                    extract(epoch FROM now() - n.heartbeat_at)::float8, \
+                    (SELECT count(*) FROM outpost_partition p WHERE p.owner = n.node_id) \
+             FROM outpost_node n ORDER BY n.node_id",
+            [],
+        ))
+        .await
+        .map_err(StoreError::from_db)?
+        .into_iter()
+        .map(|r| {
+            Ok(NodeStatus {
+                node_id: r.try_get_by_index(0).map_err(StoreError::from_db)?,
+                hostname: r.try_get_by_index(1).map_err(StoreError::from_db)?,
+                pid: r.try_get_by_index(2).map_err(StoreError::from_db)?,
+                version: r.try_get_by_index(3).map_err(StoreError::from_db)?,
+                heartbeat_age_secs: r.try_get_by_index(4).map_err(StoreError::from_db)?,
+                leases: r.try_get_by_index(5).map_err(StoreError::from_db)?,
+            })
+        })
+        .collect::<Result<Vec<_>, StoreError>>()?;
     Ok(Backlog {
         by_status,
         partitions,
+        nodes,
         oldest_pending_age_secs,
     })
 }
