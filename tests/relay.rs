@@ -378,8 +378,11 @@ async fn with_a_long_poll_interval_the_nudge_delivers() {
         &[
             ("relay.poll_interval_ms", "60000"),
             ("relay.idle_after_ms", "50"),
+            ("node.heartbeat_ms", "20000"),
+            ("node.lease_ms", "60000"),
         ],
     );
+    assert_eq!(config.node.heartbeat_ms, 20_000, "later overrides win");
     let node = start(config).await;
     wait_until(30, "the node to go idle and ask for nudges", || async {
         scalar(&db, "SELECT count(*) FROM outpost_node WHERE wants_nudge").await == 1

@@ -737,7 +737,13 @@ impl Handler<OwnedPartitions> for NodeSupervisor {
         MessageResult(
             self.slots
                 .values()
-                .map(|s| (s.lease.partition, s.lease.epoch, s.state == SlotState::Paused))
+                .map(|s| {
+                    (
+                        s.lease.partition,
+                        s.lease.epoch,
+                        s.state == SlotState::Paused,
+                    )
+                })
                 .collect(),
         )
     }

@@ -255,34 +255,7 @@ pub fn relay_config_with(
     node_id: &str,
     extra: &[(&str, &str)],
 ) -> outpost::config::Config {
-    let mut overrides: Vec<(String, String)> = [
-        ("database.url", db.url.as_str()),
-        ("database.pool_size", "8"),
-        ("redis.url", redis_url),
-        ("redis.key_prefix", prefix),
-        ("redis.response_timeout_ms", "1000"),
-        ("redis.connect_timeout_ms", "1000"),
-        ("node.id", node_id),
-        ("node.heartbeat_ms", "200"),
-        ("node.lease_ms", "2000"),
-        ("admin.listen", "127.0.0.1:0"),
-        ("relay.batch_rows", "100"),
-        ("relay.workers", "2"),
-        ("relay.max_attempts", "3"),
-        ("relay.backoff_base_ms", "20"),
-        ("relay.backoff_max_ms", "100"),
-        ("relay.transient_backoff_max_ms", "500"),
-        ("relay.poll_interval_ms", "200"),
-        ("relay.shutdown_timeout_ms", "5000"),
-    ]
-    .iter()
-    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-    .collect();
-    overrides.extend(
-        extra
-            .iter()
-            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned())),
-    );
+    let overrides = relay_overrides(db, redis_url, prefix, node_id, extra);
     outpost::config::load(&outpost::config::LoadOptions {
         file: None,
         overrides,
