@@ -573,3 +573,37 @@ async fn a_paused_partition_publishes_nothing_survives_a_restart_and_resumes_in_
     assert!(d.order_violations().is_empty());
     node.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_that_lost_history_moves_past_the_stale_fences_in_redis() {
+    let db = TestDb::new().await;
+    let redis = TestRedis::new();
+    let part = scalar(&db, "SELECT outpost_partition_of('kind0', 'a', 64)::int8").await;
+    // Redis remembers epoch 50 for the partition, from a database that was later restored or
+    // recreated: this database hands out epochs from 1.
+    let stream = format!("{}events:kind0", redis.prefix);
+    let fence = format!("{}outpost:fence:{{{stream}}}", redis.prefix);
+    let mut conn = redis.conn().await;
+    let _: () = redis::cmd("HSET")
+        .arg(&fence)
+        .arg(part)
+        .arg(50)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+
+    let node = start(relay_config(&db, &redis, "restored-node")).await;
+    let ids = commit(&db, vec![EventFact::new("kind0", "a", "t", json!({}))]).await;
+    let d = wait_delivered(&redis, 1, 30).await;
+    assert_eq!(d.copies.get(&ids[0]), Some(&1));
+    let epoch = scalar(
+        &db,
+        &format!("SELECT epoch FROM outpost_partition WHERE partition = {part}"),
+    )
+    .await;
+    assert!(
+        epoch > 50,
+        "the lease moved past the stale fence (epoch {epoch})"
+    );
+    node.shutdown().await;
+}

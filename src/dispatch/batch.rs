@@ -122,10 +122,17 @@ pub enum BatchError {
     /// Redis or the database is unavailable: back off and try again; nothing was burned.
     #[error("transient failure: {0}")]
     Transient(String),
-    /// The lease is gone (fenced at Redis, refused at the mark, or the local deadline passed):
-    /// stop working on the partition.
+    /// The lease is gone (refused at the mark, or the local deadline passed): stop working on
+    /// the partition.
     #[error("lease lost: {0}")]
     LeaseLost(String),
+    /// Redis holds a newer epoch for the partition than ours: another node took it over, or the
+    /// database lost history (the supervisor tells which). Nothing was appended or marked.
+    #[error("fenced at Redis by epoch {current}")]
+    Fenced {
+        /// The epoch Redis holds.
+        current: i64,
+    },
 }
 
 impl From<StoreError> for BatchError {
@@ -224,10 +231,7 @@ pub async fn run_batch(worker: &Worker, lease: &LeaseRef) -> Result<BatchOutcome
             StreamOutcome::Failed { ids, error } => (ids, Some(error)),
             StreamOutcome::Fenced { current } => {
                 counter!(m::FENCED, "at" => "redis").increment(1);
-                return Err(BatchError::LeaseLost(format!(
-                    "partition {} is fenced at Redis by epoch {current} (ours is {})",
-                    lease.partition, lease.epoch
-                )));
+                return Err(BatchError::Fenced { current });
             }
         };
         let n_ok = ids.len();

@@ -41,6 +41,10 @@ pub enum PartitionReport {
     Stopped(i32),
     /// The lease is gone; the actor has stopped working.
     LeaseLost(i32, String),
+    /// Redis refused our epoch: `(partition, our epoch, the epoch Redis holds)`. The actor has
+    /// stopped working; the supervisor decides between a takeover and a database that lost
+    /// history.
+    Fenced(i32, i64, i64),
     /// Database or Redis trouble; the actor backs off and retries by itself.
     Backoff(i32, String),
 }
@@ -162,6 +166,11 @@ impl PartitionActor {
                 tracing::warn!(partition = p, %why, "lease lost; stopping work on the partition");
                 self.retired = true;
                 self.report.do_send(PartitionReport::LeaseLost(p, why));
+            }
+            Ok(Err(BatchError::Fenced { current })) => {
+                self.retired = true;
+                self.report
+                    .do_send(PartitionReport::Fenced(p, self.lease.epoch, current));
             }
             Ok(Err(BatchError::Transient(why))) => {
                 self.failures = self.failures.saturating_add(1);

@@ -603,6 +603,47 @@ impl NodeSupervisor {
         );
     }
 
+    /// Redis refused our epoch. If the database still names us as owner at that epoch, Redis
+    /// has seen epochs the database never handed out: the database lost history. Jump past the
+    /// fence and go on; otherwise another node took the partition over.
+    fn on_fenced(&mut self, p: i32, ours: i64, seen: i64, ctx: &mut Context<Self>) {
+        let (store, node, lease_ms) = (
+            self.store.clone(),
+            self.settings.node_id.clone(),
+            ms(self.settings.lease),
+        );
+        ctx.spawn(
+            async move { store.advance_epoch(&node, p, ours, seen, lease_ms).await }
+                .into_actor(self)
+                .map(move |res, act, ctx| {
+                    let current = act.slots.get(&p).map(|s| s.lease);
+                    if current.map(|l| l.epoch) != Some(ours) {
+                        return;
+                    }
+                    act.slots.remove(&p);
+                    match res {
+                        Ok(Some(epoch)) if !act.shutting_down() => {
+                            tracing::error!(
+                                partition = p,
+                                ours,
+                                redis = seen,
+                                new = epoch,
+                                "Redis holds a fencing epoch the database never handed out: the \
+                                 database lost history (restored from a backup or recreated?) or \
+                                 another Outpost database shares this Redis key prefix \
+                                 (redis.key_prefix); moving past it"
+                            );
+                            let paused = current.is_some_and(|l| l.paused);
+                            act.start_actor(Lease { partition: p, epoch, paused }, ctx);
+                        }
+                        Ok(_) => tracing::warn!(partition = p, "partition taken over by another node"),
+                        Err(e) => tracing::warn!(error = %e, partition = p, "checking a fenced lease failed"),
+                    }
+                    act.update_gauges();
+                }),
+        );
+    }
+
     fn release_pending(&mut self, ctx: &mut Context<Self>) {
         if self.to_release.is_empty() || self.shutting_down() {
             return;
@@ -654,6 +695,7 @@ impl Handler<PartitionReport> for NodeSupervisor {
                 self.slots.remove(&p);
                 self.update_gauges();
             }
+            PartitionReport::Fenced(p, ours, seen) => self.on_fenced(p, ours, seen, ctx),
             PartitionReport::Stopped(p) => {
                 if let Some(slot) = self.slots.get_mut(&p) {
                     slot.addr = None;

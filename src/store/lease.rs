@@ -142,6 +142,43 @@ impl Store {
         leases(rows)
     }
 
+    /// Moves this node's lease on `partition` from `epoch` past `seen`, an epoch found at Redis
+    /// that the database never handed out. Epochs only grow, so a fence ahead of the database
+    /// means the database lost history (restored from a backup, or recreated while Redis kept
+    /// its fences); while the database still names this node as owner at `epoch`, nobody else
+    /// can hold the partition, and jumping ahead is safe. Returns the new epoch, or `None` when
+    /// the lease is no longer ours at `epoch` (then the fence is a real takeover).
+    pub async fn advance_epoch(
+        &self,
+        node_id: &str,
+        partition: i32,
+        epoch: i64,
+        seen: i64,
+        lease_ms: u64,
+    ) -> Result<Option<i64>, StoreError> {
+        let row = self
+            .connection()
+            .query_one_raw(stmt(
+                "UPDATE outpost_partition SET epoch = $4 + 1, \
+                   lease_until = now() + $5 * interval '1 millisecond' \
+                 WHERE partition = $1 AND owner = $2 AND epoch = $3 AND $4 >= epoch \
+                 RETURNING epoch",
+                [
+                    partition.into(),
+                    node_id.into(),
+                    epoch.into(),
+                    seen.into(),
+                    ms(lease_ms).into(),
+                ],
+            ))
+            .await
+            .map_err(StoreError::from_db)?;
+        match row {
+            Some(r) => Ok(Some(r.try_get_by_index(0).map_err(StoreError::from_db)?)),
+            None => Ok(None),
+        }
+    }
+
     /// Gives partitions back at once (graceful handoff): the next owner does not wait for the
     /// lease to expire. Only leases still held at the given epochs are released.
     pub async fn release_partitions(
