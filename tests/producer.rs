@@ -13,7 +13,7 @@ use outpost::store::{NodeInfo, Nudge, NudgeListener, StoreError};
 use sea_orm::{ConnectionTrait, DbBackend, EntityTrait, Statement, TransactionTrait};
 use serde::Serialize;
 use serde_json::json;
-use support::{TestDb, wait_until};
+use support::{TestDb, scalar, wait_until};
 
 #[derive(Serialize)]
 struct OrderPaid {
@@ -40,17 +40,6 @@ fn paid(id: &str) -> OrderPaid {
     }
 }
 
-async fn count(db: &TestDb, sql: &str) -> i64 {
-    db.store
-        .connection()
-        .query_one_raw(Statement::from_string(DbBackend::Postgres, sql))
-        .await
-        .unwrap()
-        .unwrap()
-        .try_get_by_index::<i64>(0)
-        .unwrap()
-}
-
 async fn seqs(db: &TestDb, aggregate_id: &str) -> Vec<i64> {
     db.store
         .connection()
@@ -74,7 +63,7 @@ async fn rolled_back_event_leaves_no_row_and_no_sequence_hole() {
     let txn = db.store.connection().begin().await.unwrap();
     p.enqueue(&txn, &paid("o-1")).await.unwrap();
     txn.rollback().await.unwrap();
-    assert_eq!(count(&db, "SELECT count(*) FROM outpost_event").await, 0);
+    assert_eq!(scalar(&db, "SELECT count(*) FROM outpost_event").await, 0);
 
     let txn = db.store.connection().begin().await.unwrap();
     let e = p.enqueue(&txn, &paid("o-1")).await.unwrap();
@@ -131,7 +120,7 @@ async fn committed_event_has_every_contract_field_and_the_trace_context() {
     assert_eq!((parts[0], parts[1].len(), parts[2].len()), ("00", 32, 16));
 
     // Partition is the documented function of the aggregate key.
-    let expected = count(&db, "SELECT outpost_partition_of('order', 'o-7', 64)::int8").await;
+    let expected = scalar(&db, "SELECT outpost_partition_of('order', 'o-7', 64)::int8").await;
     assert_eq!(i64::from(row.partition), expected);
 }
 
@@ -413,7 +402,7 @@ async fn declared_content_enqueues_only_on_declared_changes() {
         .unwrap()
         .expect("an event");
     txn.commit().await.unwrap();
-    assert_eq!(count(&db, "SELECT count(*) FROM outpost_event").await, 1);
+    assert_eq!(scalar(&db, "SELECT count(*) FROM outpost_event").await, 1);
     let row = entity::outpost_event::Entity::find_by_id(some.id)
         .one(db.store.connection())
         .await
@@ -449,7 +438,7 @@ async fn rejected(db: &TestDb, p: &Producer, facts: Vec<EventFact>) -> ProduceEr
     // Refused before the insert: the caller's transaction still works.
     txn.execute_unprepared("SELECT 1").await.unwrap();
     txn.commit().await.unwrap();
-    assert_eq!(count(db, "SELECT count(*) FROM outpost_event").await, 0);
+    assert_eq!(scalar(db, "SELECT count(*) FROM outpost_event").await, 0);
     err
 }
 
@@ -542,7 +531,7 @@ async fn duplicate_event_id_is_refused_by_the_database() {
     );
     assert!(err.to_string().contains("already in the outbox"), "{err}");
     txn.rollback().await.unwrap();
-    assert_eq!(count(&db, "SELECT count(*) FROM outpost_event").await, 1);
+    assert_eq!(scalar(&db, "SELECT count(*) FROM outpost_event").await, 1);
     assert_eq!(seqs(&db, "o-2").await, Vec::<i64>::new());
 }
 
@@ -583,7 +572,7 @@ async fn the_schema_refuses_bad_rows_from_plain_sql() {
         let err = db.store.connection().execute_unprepared(sql).await;
         assert!(err.is_err(), "{what} was accepted");
     }
-    assert_eq!(count(&db, "SELECT count(*) FROM outpost_event").await, 0);
+    assert_eq!(scalar(&db, "SELECT count(*) FROM outpost_event").await, 0);
     // Refused rows leave no sequence hole either.
     db.store
         .connection()
@@ -594,7 +583,7 @@ async fn the_schema_refuses_bad_rows_from_plain_sql() {
         .await
         .unwrap();
     assert_eq!(
-        count(&db, "SELECT max(aggregate_seq) FROM outpost_event").await,
+        scalar(&db, "SELECT max(aggregate_seq) FROM outpost_event").await,
         1
     );
 }

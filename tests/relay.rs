@@ -13,7 +13,10 @@ use outpost::produce::{EventFact, Producer};
 use rand::Rng;
 use sea_orm::{ConnectionTrait, DbBackend, Statement, TransactionTrait};
 use serde_json::json;
-use support::{Deliveries, TestDb, TestRedis, relay_config, relay_config_with, wait_until};
+use support::{
+    Deliveries, TestDb, TestRedis, assert_all_published, relay_config, relay_config_with, scalar,
+    wait_for_idle_node, wait_until,
+};
 
 async fn start(config: outpost::config::Config) -> NodeHandle {
     support::init_logs();
@@ -32,17 +35,6 @@ async fn commit(db: &TestDb, facts: Vec<EventFact>) -> Vec<String> {
         .unwrap();
     txn.commit().await.unwrap();
     ids
-}
-
-async fn scalar(db: &TestDb, sql: &str) -> i64 {
-    db.store
-        .connection()
-        .query_one_raw(Statement::from_string(DbBackend::Postgres, sql))
-        .await
-        .unwrap()
-        .unwrap()
-        .try_get_by_index::<i64>(0)
-        .unwrap()
 }
 
 async fn wait_delivered(redis: &TestRedis, n: usize, secs: u64) -> Deliveries {
@@ -117,14 +109,7 @@ async fn every_committed_event_is_published_once_in_order_and_rolled_back_ones_n
         rolled_back.is_disjoint(&seen),
         "a rolled-back event was published"
     );
-    assert_eq!(
-        scalar(
-            &db,
-            "SELECT count(*) FROM outpost_event WHERE status <> 'published'"
-        )
-        .await,
-        0
-    );
+    assert_all_published(&db).await;
     node.shutdown().await;
 }
 
@@ -356,10 +341,7 @@ async fn a_missed_nudge_waits_for_the_scheduled_poll() {
         .await
         .unwrap();
     let node = start(relay_config(&db, &redis, "nonudge-node")).await;
-    wait_until(30, "the node to go idle and ask for nudges", || async {
-        scalar(&db, "SELECT count(*) FROM outpost_node WHERE wants_nudge").await == 1
-    })
-    .await;
+    wait_for_idle_node(&db).await;
     let id = commit(&db, vec![EventFact::new("kind0", "a", "t", json!({}))]).await;
     let d = wait_delivered(&redis, 1, 30).await;
     assert!(d.copies.contains_key(&id[0]));
@@ -384,10 +366,7 @@ async fn with_a_long_poll_interval_the_nudge_delivers() {
     );
     assert_eq!(config.node.heartbeat_ms, 20_000, "later overrides win");
     let node = start(config).await;
-    wait_until(30, "the node to go idle and ask for nudges", || async {
-        scalar(&db, "SELECT count(*) FROM outpost_node WHERE wants_nudge").await == 1
-    })
-    .await;
+    wait_for_idle_node(&db).await;
     // The next scheduled poll (the heartbeat tick) is twenty seconds away at the least and the
     // busy back-off has reached its one-minute ceiling: only the nudge can deliver in time.
     let id = commit(&db, vec![EventFact::new("kind0", "a", "t", json!({}))]).await;

@@ -13,9 +13,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use outpost::produce::{EventFact, Producer};
-use sea_orm::{ConnectionTrait, DbBackend, Statement, TransactionTrait};
+use sea_orm::TransactionTrait;
 use serde_json::json;
-use support::{Deliveries, TestDb, relay_config_with, wait_until};
+use support::{Deliveries, TestDb, assert_all_published, relay_config_with, scalar, wait_until};
 
 /// A redis-server child with append-only persistence (fsync on every write), so a kill -9 and
 /// restart keeps what it acknowledged.
@@ -117,17 +117,6 @@ async fn readyz(addr: std::net::SocketAddr) -> u16 {
         .nth(1)
         .and_then(|c| c.parse().ok())
         .unwrap_or(0)
-}
-
-async fn scalar(db: &TestDb, sql: &str) -> i64 {
-    db.store
-        .connection()
-        .query_one_raw(Statement::from_string(DbBackend::Postgres, sql))
-        .await
-        .unwrap()
-        .unwrap()
-        .try_get_by_index::<i64>(0)
-        .unwrap()
 }
 
 /// Writers that keep committing events until stopped; returns the committed ids.
@@ -249,14 +238,7 @@ async fn survive(outage: Outage) {
         0,
         "no attempt burned"
     );
-    assert_eq!(
-        scalar(
-            &db,
-            "SELECT count(*) FROM outpost_event WHERE status <> 'published'"
-        )
-        .await,
-        0
-    );
+    assert_all_published(&db).await;
     node.shutdown().await;
 }
 

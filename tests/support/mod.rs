@@ -443,3 +443,40 @@ pub async fn wait_exit(child: &mut std::process::Child, secs: u64) -> std::proce
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// The single `int8` value `sql` returns.
+pub async fn scalar(db: &TestDb, sql: &str) -> i64 {
+    use sea_orm::ConnectionTrait;
+    db.store
+        .connection()
+        .query_one_raw(sea_orm::Statement::from_string(
+            sea_orm::DbBackend::Postgres,
+            sql,
+        ))
+        .await
+        .expect("query")
+        .expect("a row")
+        .try_get_by_index::<i64>(0)
+        .expect("an int8")
+}
+
+/// Waits until a node has gone idle and asked producers for nudges.
+pub async fn wait_for_idle_node(db: &TestDb) {
+    wait_until(30, "the node to go idle and ask for nudges", || async {
+        scalar(db, "SELECT count(*) FROM outpost_node WHERE wants_nudge").await == 1
+    })
+    .await;
+}
+
+/// Every row is published.
+pub async fn assert_all_published(db: &TestDb) {
+    assert_eq!(
+        scalar(
+            db,
+            "SELECT count(*) FROM outpost_event WHERE status <> 'published'"
+        )
+        .await,
+        0,
+        "every row is published"
+    );
+}
