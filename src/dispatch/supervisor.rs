@@ -1,8 +1,9 @@
 //! The node supervisor: membership, leases, wake-ups, and the partition actors.
 //!
 //! - **Leases.** Every `node.heartbeat_ms` one statement refreshes the node's heartbeat and
-//!   renews its leases (database clock). The node then takes its fair share, ⌈partitions / live
-//!   nodes⌉: it acquires free or expired partitions (bumping their epoch) when below it, and
+//!   renews its leases (database clock). The node then takes its fair share, ⌊partitions / live
+//!   nodes⌋ or one more (the first nodes by id take the remainder), so shares differ by at most
+//!   one: it acquires free or expired partitions (bumping their epoch) when below it, and
 //!   hands extras over — stop the actor, let its batch finish, release the lease — when above it.
 //!   A lease missing from the renewal was taken over: its actor is dropped at once (anything it
 //!   still tries is fenced). Publishing also stops locally when renewals fail for longer than
@@ -240,6 +241,7 @@ impl NodeSupervisor {
             held,
             ready,
             live_nodes: live,
+            rank,
             partitions,
         } = tick;
         let held_now: BTreeMap<i32, Lease> = held.iter().map(|l| (l.partition, *l)).collect();
@@ -308,8 +310,10 @@ impl NodeSupervisor {
             let wait = self.wake.next_wait();
             self.schedule_poll(ctx, wait);
         }
-        // Fair share.
-        let target = partitions.div_ceil(live.max(1)) as usize;
+        // Fair share: ⌊partitions / live⌋, one more for the first `partitions mod live` nodes by
+        // id, so shares differ by at most one.
+        let live = live.max(1);
+        let target = (partitions / live + u32::from(rank < partitions % live)) as usize;
         let mine = self.slots.len();
         if mine > target {
             let extras: Vec<i32> = self

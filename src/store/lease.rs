@@ -29,6 +29,9 @@ pub struct LeaseTick {
     pub ready: Vec<i32>,
     /// Nodes with a heartbeat younger than the node TTL (including this one).
     pub live_nodes: u32,
+    /// This node's place among the live nodes ordered by id (0-based): with `partitions` not
+    /// divisible by `live_nodes`, the first ones take one partition more.
+    pub rank: u32,
     /// Total number of partitions.
     pub partitions: u32,
 }
@@ -72,7 +75,10 @@ impl Store {
                         (SELECT count(*) FROM outpost_node \
                          WHERE heartbeat_at > now() - $3 * interval '1 millisecond' \
                             OR node_id IN (SELECT node_id FROM hb))::int8, \
-                        (SELECT count(*) FROM outpost_partition)::int8 \
+                        (SELECT count(*) FROM outpost_partition)::int8, \
+                        (SELECT count(*) FROM outpost_node \
+                         WHERE heartbeat_at > now() - $3 * interval '1 millisecond' \
+                           AND node_id < $1)::int8 \
                  FROM (SELECT NULL::int4 AS partition, NULL::int8 AS epoch, NULL::bool AS paused \
                        UNION ALL SELECT * FROM renewed) r",
                 [node_id.into(), ms(lease_ms).into(), ms(node_ttl_ms).into()],
@@ -81,11 +87,12 @@ impl Store {
             .map_err(StoreError::from_db)?;
         let mut held = Vec::with_capacity(rows.len());
         let mut ready = Vec::new();
-        let (mut live_nodes, mut partitions) = (1u32, 0u32);
+        let (mut live_nodes, mut partitions, mut rank) = (1u32, 0u32, 0u32);
         for r in rows {
             let p: Option<i32> = r.try_get_by_index(0).map_err(StoreError::from_db)?;
             live_nodes = count(r.try_get_by_index(4).map_err(StoreError::from_db)?);
             partitions = count(r.try_get_by_index(5).map_err(StoreError::from_db)?);
+            rank = count(r.try_get_by_index(6).map_err(StoreError::from_db)?);
             if let Some(partition) = p {
                 if r.try_get_by_index::<bool>(3).map_err(StoreError::from_db)? {
                     ready.push(partition);
@@ -101,6 +108,7 @@ impl Store {
             held,
             ready,
             live_nodes: live_nodes.max(1),
+            rank,
             partitions,
         })
     }

@@ -1,0 +1,107 @@
+//! Several nodes share the partitions: fair share, graceful handoff, no loss, no duplicates.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use outpost::dispatch::node::{self, NodeHandle};
+use outpost::produce::{EventFact, Producer};
+use sea_orm::TransactionTrait;
+use serde_json::json;
+use support::{Deliveries, TestDb, TestRedis, relay_config, wait_until};
+
+async fn start(config: outpost::config::Config) -> NodeHandle {
+    support::init_logs();
+    tokio::task::spawn_blocking(move || node::start(&config))
+        .await
+        .unwrap()
+        .expect("node starts")
+}
+
+async fn owned(node: &NodeHandle) -> usize {
+    node.owned_partitions().await.len()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn nodes_share_partitions_fairly_and_hand_over_without_loss_or_duplicates() {
+    let db = TestDb::with_pool(8).await;
+    let redis = TestRedis::new();
+    let a = start(relay_config(&db, &redis, "node-a")).await;
+    wait_until(30, "node a to own every partition", || async {
+        owned(&a).await == 64
+    })
+    .await;
+
+    // Load runs throughout: writers commit events of 300 aggregates until told to stop.
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let (store, stop) = (db.store.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut ids = Vec::new();
+            let mut i = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let facts: Vec<EventFact> = (0..10)
+                    .map(|k| {
+                        EventFact::new(
+                            "kind0",
+                            format!("a{}", (i * 10 + k) % 300),
+                            "t",
+                            json!({"i": i}),
+                        )
+                    })
+                    .collect();
+                ids.extend(facts.iter().map(|f| f.id().to_string()));
+                let txn = store.connection().begin().await.unwrap();
+                Producer::default()
+                    .enqueue_facts(&txn, facts)
+                    .await
+                    .unwrap();
+                txn.commit().await.unwrap();
+                i += 1;
+            }
+            ids
+        })
+    };
+
+    // Scale out: a second and a third node; each ends with its fair share (⌈64/3⌉ = 22, ±1).
+    let b = start(relay_config(&db, &redis, "node-b")).await;
+    wait_until(30, "a and b to split the partitions", || async {
+        owned(&a).await == 32 && owned(&b).await == 32
+    })
+    .await;
+    let c = start(relay_config(&db, &redis, "node-c")).await;
+    wait_until(30, "a, b and c to share the partitions fairly", || async {
+        let (x, y, z) = (owned(&a).await, owned(&b).await, owned(&c).await);
+        x + y + z == 64 && [x, y, z].iter().all(|n| (21..=22).contains(n))
+    })
+    .await;
+
+    // Scale in gracefully: b and c hand their partitions over on shutdown.
+    b.shutdown().await;
+    c.shutdown().await;
+    wait_until(30, "a to own every partition again", || async {
+        owned(&a).await == 64
+    })
+    .await;
+
+    stop.store(true, Ordering::Relaxed);
+    let ids = writer.await.unwrap();
+    let mut conn = redis.conn().await;
+    wait_until(120, "every committed event to be delivered", || {
+        let (prefix, mut c, n) = (redis.prefix.clone(), conn.clone(), ids.len());
+        async move { Deliveries::collect(&mut c, &prefix).await.unique() >= n }
+    })
+    .await;
+    let d = Deliveries::collect(&mut conn, &redis.prefix).await;
+    assert_eq!(d.unique(), ids.len(), "nothing lost");
+    assert!(ids.iter().all(|id| d.copies.contains_key(id)));
+    assert_eq!(d.duplicates(), 0, "graceful handoffs duplicate nothing");
+    assert!(
+        d.order_violations().is_empty(),
+        "order per aggregate across handoffs"
+    );
+    a.shutdown().await;
+}
