@@ -50,7 +50,9 @@ impl PublishError {
             return Self {
                 class: ErrorClass::Transient,
                 code: "IO".to_owned(),
-                message: format!("Redis unreachable: {e}"),
+                message: format!(
+                    "cannot reach Redis (check redis.url and that Redis is running): {e}"
+                ),
             };
         }
         let code = e.code().unwrap_or("ERR").to_owned();
