@@ -200,4 +200,32 @@ mod tests {
         let long = "z".repeat(2000);
         assert!(r.route(&long, "t", 0, None).is_err());
     }
+
+    /// Random row text (seeded): the rendered stream name never carries a brace, whitespace or
+    /// control character, and distinct aggregate types give distinct names.
+    #[test]
+    fn random_text_is_encoded_safely_and_injectively() {
+        use rand::{Rng, SeedableRng};
+        let r = router("events:{aggregate_type}", &[], &[]);
+        let alphabet: Vec<char> = "aZ09._:-{}%/ \t\n\r\u{0}\u{7f}é€😀\"'".chars().collect();
+        let mut seen = std::collections::HashMap::new();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(42);
+        for _ in 0..5000 {
+            let len = rng.random_range(1..12);
+            let text: String = (0..len)
+                .map(|_| alphabet[rng.random_range(0..alphabet.len())])
+                .collect();
+            let Ok(Route::Stream(name)) = r.route(&text, "t", 0, None) else {
+                panic!("{text:?} did not route");
+            };
+            assert!(
+                name.chars()
+                    .all(|c| c.is_ascii_graphic() && c != '{' && c != '}'),
+                "{text:?} -> {name:?}"
+            );
+            if let Some(other) = seen.insert(name.clone(), text.clone()) {
+                assert_eq!(other, text, "two types share the stream {name:?}");
+            }
+        }
+    }
 }

@@ -193,4 +193,45 @@ mod tests {
         );
         assert_eq!(w.next_wait(), Duration::from_millis(2));
     }
+
+    /// Random schedules of polls and nudges (seeded, so a failure replays): producers are asked
+    /// for nudges only on the way from busy to idle and released only on the way back, the two
+    /// alternate, and the wait always stays within the policy's bounds.
+    #[test]
+    fn random_schedules_keep_the_protocol() {
+        use rand::{Rng, SeedableRng};
+        for seed in 0..200u64 {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+            let p = policy();
+            let mut now = Instant::now();
+            let mut w = Wakeup::new(p, now);
+            let mut asking = false;
+            for _ in 0..500 {
+                now += Duration::from_millis(rng.random_range(0..300));
+                let was_idle = w.is_idle();
+                let action = if rng.random_bool(0.2) {
+                    w.nudged(now)
+                } else {
+                    w.polled(rng.random_bool(0.3), now)
+                };
+                match action {
+                    Action::AskForNudges => {
+                        assert!(!was_idle && w.is_idle() && !asking, "seed {seed}");
+                        asking = true;
+                    }
+                    Action::StopNudges => {
+                        assert!(was_idle && !w.is_idle() && asking, "seed {seed}");
+                        asking = false;
+                    }
+                    Action::None => assert_eq!(was_idle, w.is_idle(), "seed {seed}"),
+                }
+                assert_eq!(asking, w.is_idle(), "seed {seed}");
+                let wait = w.next_wait();
+                assert!(
+                    wait >= p.busy_poll && wait <= p.poll_interval,
+                    "seed {seed}"
+                );
+            }
+        }
+    }
 }
