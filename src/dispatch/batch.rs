@@ -1,4 +1,5 @@
-//! One batch of one partition: claim → route → rate-limit → publish → mark.
+//! Batches: claim → route → rate-limit → publish → mark, for one partition or for a group of
+//! partitions of one worker that asked at the same moment (sharing each statement).
 //!
 //! The claim is a short read; publishing happens with no database transaction open; the mark is
 //! one short transaction guarded by the lease epoch. Nothing is held in memory between batches:
@@ -98,6 +99,8 @@ pub struct Worker {
     /// Batch slots (`relay.max_in_flight`): a batch holds one from claim to mark, so at most
     /// that many batches per worker are in memory and talking to the database.
     pub slots: Arc<tokio::sync::Semaphore>,
+    /// Batches asked for and not yet taken into a group (see [`Worker::run`]).
+    pub queue: BatchQueue,
     /// Node-wide state.
     pub shared: Arc<Shared>,
 }
@@ -164,169 +167,329 @@ struct Plan {
     result: BatchResult,
 }
 
-/// Runs one batch for `lease`.
-pub async fn run_batch(worker: &Worker, lease: &LeaseRef) -> Result<BatchOutcome, BatchError> {
-    let _slot = worker
-        .slots
-        .acquire()
-        .await
-        .map_err(|_| BatchError::Transient("the worker is shutting down".to_owned()))?;
+type Outcome = Result<BatchOutcome, BatchError>;
+
+/// Batches waiting to be taken into a group: each lease with where to send its outcome.
+pub type BatchQueue = Arc<std::sync::Mutex<Vec<(LeaseRef, tokio::sync::oneshot::Sender<Outcome>)>>>;
+
+impl Worker {
+    /// Runs a batch for `lease`, together with the batches other partitions of this worker ask
+    /// for at the same moment: one claim, one pipelined publish and one mark serve them all.
+    /// Under a steady flow each partition has only an event or two ready at a time, and sharing
+    /// the statements is what keeps the relay's cost per event low.
+    pub async fn run(&self, lease: LeaseRef) -> Outcome {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        lock(&self.queue).push((lease, tx));
+        // Let the other wake-ups of this moment join before the group is formed.
+        tokio::task::yield_now().await;
+        let permit = self
+            .slots
+            .acquire()
+            .await
+            .map_err(|_| BatchError::Transient("the worker is shutting down".to_owned()))?;
+        let group = std::mem::take(&mut *lock(&self.queue));
+        if !group.is_empty() {
+            let (leases, senders): (Vec<LeaseRef>, Vec<_>) = group.into_iter().unzip();
+            let results = run_group(self, &leases).await;
+            for (tx, result) in senders.into_iter().zip(results) {
+                let _ = tx.send(result);
+            }
+        }
+        drop(permit);
+        rx.await.unwrap_or_else(|_| {
+            Err(BatchError::Transient(
+                "the batch was abandoned by the worker".to_owned(),
+            ))
+        })
+    }
+}
+
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // A panic while the queue was locked leaves only a Vec behind; it is still usable.
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Runs one batch for each lease, sharing the statements; results in the order of `leases`.
+/// The group's rows stay within one batch's limits: each partition gets an equal part of
+/// `relay.batch_rows` and `relay.batch_bytes`.
+pub async fn run_group(worker: &Worker, leases: &[LeaseRef]) -> Vec<Outcome> {
     let settings = &worker.shared.settings;
+    let n = u32::try_from(leases.len().max(1)).unwrap_or(u32::MAX);
+    let per_rows = (settings.batch_rows / n).max(1);
+    let per_bytes = (settings.batch_bytes / u64::from(n)).max(1024);
+    let partitions: Vec<i32> = leases.iter().map(|l| l.partition).collect();
     let started = Instant::now();
-    let rows = worker
+    let rows = match worker
         .store
-        .claim(lease.partition, settings.batch_rows, settings.batch_bytes)
-        .await?;
+        .claim_many(&partitions, per_rows, per_bytes)
+        .await
+    {
+        Ok(rows) => rows,
+        Err(e) => {
+            let e = BatchError::from(e);
+            return leases.iter().map(|_| Err(e.clone())).collect();
+        }
+    };
     histogram!(m::CLAIM_SECONDS).record(started.elapsed().as_secs_f64());
-    if rows.is_empty() {
-        return Ok(BatchOutcome::Idle);
+    let mut by_partition: HashMap<i32, Vec<ClaimedEvent>> = HashMap::new();
+    for row in rows {
+        by_partition.entry(row.partition).or_default().push(row);
+    }
+    let mut outcomes: Vec<Option<Outcome>> = vec![None; leases.len()];
+    // (index in `leases`, plan, rows claimed)
+    let mut plans: Vec<(usize, Plan, usize)> = Vec::new();
+    for (i, lease) in leases.iter().enumerate() {
+        match by_partition.remove(&lease.partition) {
+            None => outcomes[i] = Some(Ok(BatchOutcome::Idle)),
+            Some(rows) => {
+                let claimed = rows.len();
+                plans.push((
+                    i,
+                    plan(
+                        &worker.shared.router,
+                        &worker.publisher,
+                        settings,
+                        rows,
+                        lease,
+                    ),
+                    claimed,
+                ));
+            }
+        }
+    }
+    if plans.is_empty() {
+        return outcomes
+            .into_iter()
+            .map(|o| o.unwrap_or(Ok(BatchOutcome::Idle)))
+            .collect();
     }
     fail::fail_point!("after-claim", |_| std::process::abort());
-    let claimed = rows.len();
-    let full = claimed >= settings.batch_rows as usize;
 
-    let mut plan = plan(
-        &worker.shared.router,
-        &worker.publisher,
-        settings,
-        rows,
-        lease,
-    );
-    for b in &plan.batches {
-        if worker
-            .shared
-            .limits
-            .acquire(&b.stream, b.entries.len())
-            .await
-        {
-            counter!(m::RATE_LIMITED_WAITS).increment(1);
+    for (_, plan, _) in &plans {
+        for b in &plan.batches {
+            if worker
+                .shared
+                .limits
+                .acquire(&b.stream, b.entries.len())
+                .await
+            {
+                counter!(m::RATE_LIMITED_WAITS).increment(1);
+            }
         }
     }
     if !worker.shared.deadline.valid() {
-        return Err(BatchError::LeaseLost(format!(
-            "the lease on partition {} may have expired (no renewal in time); not publishing",
-            lease.partition
-        )));
+        let e = BatchError::LeaseLost(
+            "the lease may have expired (no renewal in time); not publishing".to_owned(),
+        );
+        for (i, _, _) in &plans {
+            outcomes[*i] = Some(Err(e.clone()));
+        }
+        return finish(outcomes);
     }
     fail::fail_point!("before-publish", |_| std::process::abort());
+    let all: Vec<StreamBatch> = plans
+        .iter_mut()
+        .flat_map(|(_, plan, _)| std::mem::take(&mut plan.batches))
+        .collect();
     let started = Instant::now();
-    let outcomes = publish(worker, lease, &plan.batches).await;
+    let published = publish(worker, &all).await;
     histogram!(m::PUBLISH_SECONDS).record(started.elapsed().as_secs_f64());
-    let outcomes = match outcomes {
-        Ok(o) => o,
+    let mut replies = match published {
+        Ok(o) => o.into_iter(),
         Err(e) => {
             counter!(m::FAILURES, "kind" => "transient", "code" => e.code().to_owned())
                 .increment(1);
-            return Err(BatchError::Transient(e.to_string()));
+            let e = BatchError::Transient(e.to_string());
+            for (i, _, _) in &plans {
+                outcomes[*i] = Some(Err(e.clone()));
+            }
+            return finish(outcomes);
         }
     };
     fail::fail_point!("after-publish", |_| std::process::abort());
 
     let now = chrono::Utc::now();
-    let mut transient: Option<PublishError> = None;
-    let origins = std::mem::take(&mut plan.origins);
-    for (outcome, origins) in outcomes.into_iter().zip(origins) {
-        let (ids, error) = match outcome {
-            StreamOutcome::Published(ids) => (ids, None),
-            StreamOutcome::Failed { ids, error } => (ids, Some(error)),
-            StreamOutcome::Fenced { current } => {
-                counter!(m::FENCED, "at" => "redis").increment(1);
-                return Err(BatchError::Fenced { current });
-            }
-        };
-        let n_ok = ids.len();
-        for (origin, id) in origins.iter().zip(ids) {
-            let latency = (now - origin.recorded_at.with_timezone(&chrono::Utc))
-                .to_std()
-                .unwrap_or_default();
-            histogram!(m::COMMIT_TO_PUBLISH_SECONDS).record(latency.as_secs_f64());
-            if origin.attempts > 0 {
-                plan.result.unblocked.push((
-                    origin.aggregate.0.clone(),
-                    origin.aggregate.1.clone(),
-                    origin.seq,
-                ));
-            }
-            plan.result.published.push((origin.id, id));
-        }
-        if let (Some(error), Some(origin)) = (error, origins.get(n_ok)) {
-            match error.class() {
-                ErrorClass::Permanent => {
-                    plan.result.failed.push(failure(settings, origin, &error));
+    // Partitions whose batch only published go to one shared mark; the others (failures,
+    // no-destination rows, released holds) are recorded one by one.
+    let mut simple: Vec<(usize, usize)> = Vec::new();
+    let mut shared_published: Vec<(i64, String)> = Vec::new();
+    let mut shared_leases: Vec<(i32, i64)> = Vec::new();
+    let mut detailed: Vec<(usize, usize, BatchResult, Option<PublishError>)> = Vec::new();
+    'plans: for (i, plan, claimed) in plans {
+        let mut result = plan.result;
+        let mut transient: Option<PublishError> = None;
+        for origins in plan.origins {
+            let Some(outcome) = replies.next() else {
+                break;
+            };
+            let (ids, error) = match outcome {
+                StreamOutcome::Published(ids) => (ids, None),
+                StreamOutcome::Failed { ids, error } => (ids, Some(error)),
+                StreamOutcome::Fenced { current } => {
+                    counter!(m::FENCED, "at" => "redis").increment(1);
+                    outcomes[i] = Some(Err(BatchError::Fenced { current }));
+                    // Skip this partition's remaining replies.
+                    continue 'plans;
                 }
-                ErrorClass::Transient => transient = Some(error),
+            };
+            let n_ok = ids.len();
+            for (origin, id) in origins.iter().zip(ids) {
+                let latency = (now - origin.recorded_at.with_timezone(&chrono::Utc))
+                    .to_std()
+                    .unwrap_or_default();
+                histogram!(m::COMMIT_TO_PUBLISH_SECONDS).record(latency.as_secs_f64());
+                if origin.attempts > 0 {
+                    result.unblocked.push((
+                        origin.aggregate.0.clone(),
+                        origin.aggregate.1.clone(),
+                        origin.seq,
+                    ));
+                }
+                result.published.push((origin.id, id));
+            }
+            if let (Some(error), Some(origin)) = (error, origins.get(n_ok)) {
+                match error.class() {
+                    ErrorClass::Permanent => result.failed.push(failure(settings, origin, &error)),
+                    ErrorClass::Transient => transient = Some(error),
+                }
             }
         }
-    }
-    counter!(m::PUBLISHED).increment(plan.result.published.len() as u64);
-    counter!(m::NO_DESTINATION).increment(plan.result.no_destination.len() as u64);
-    for f in &plan.result.failed {
-        let code = f
-            .error
-            .split_whitespace()
-            .next()
-            .unwrap_or("ERR")
-            .to_owned();
-        counter!(m::FAILURES, "kind" => "permanent", "code" => code).increment(1);
+        counter!(m::PUBLISHED).increment(result.published.len() as u64);
+        counter!(m::NO_DESTINATION).increment(result.no_destination.len() as u64);
+        for f in &result.failed {
+            let code = f
+                .error
+                .split_whitespace()
+                .next()
+                .unwrap_or("ERR")
+                .to_owned();
+            counter!(m::FAILURES, "kind" => "permanent", "code" => code).increment(1);
+        }
+        let only_published = result.failed.is_empty()
+            && result.no_destination.is_empty()
+            && result.unblocked.is_empty();
+        if only_published && transient.is_none() {
+            shared_leases.push((leases[i].partition, leases[i].epoch));
+            shared_published.extend(result.published);
+            simple.push((i, claimed));
+        } else {
+            detailed.push((i, claimed, result, transient));
+        }
     }
 
     fail::fail_point!("before-mark", |_| std::process::abort());
     let started = Instant::now();
-    let recorded = worker
-        .store
-        .record_batch(
-            lease,
-            &plan.result,
-            settings.delete_published,
-            settings.max_attempts,
-        )
-        .await?;
-    histogram!(m::MARK_SECONDS).record(started.elapsed().as_secs_f64());
-    fail::fail_point!("after-mark", |_| std::process::abort());
-    counter!(m::RETRIES).increment(recorded.retrying);
-    counter!(m::QUARANTINED).increment(recorded.quarantined);
-    if recorded.quarantined > 0 {
-        tracing::error!(
-            partition = lease.partition,
-            quarantined = recorded.quarantined,
-            "events quarantined after relay.max_attempts; inspect with `outpost status` and \
-             release their aggregates to replay them"
+    if !shared_leases.is_empty() {
+        match worker
+            .store
+            .mark_published_many(
+                &leases[simple[0].0].node_id,
+                &shared_leases,
+                &shared_published,
+                settings.delete_published,
+            )
+            .await
+        {
+            Ok(held) => {
+                for (i, claimed) in &simple {
+                    outcomes[*i] = Some(if held.contains(&leases[*i].partition) {
+                        Ok(done(*claimed, per_rows))
+                    } else {
+                        counter!(m::FENCED, "at" => "database").increment(1);
+                        Err(BatchError::LeaseLost(format!(
+                            "lease on partition {} at epoch {} was lost to another node",
+                            leases[*i].partition, leases[*i].epoch
+                        )))
+                    });
+                }
+            }
+            Err(e) => {
+                let e = BatchError::from(e);
+                for (i, _) in &simple {
+                    outcomes[*i] = Some(Err(e.clone()));
+                }
+            }
+        }
+    }
+    for (i, claimed, result, transient) in detailed {
+        let lease = &leases[i];
+        outcomes[i] = Some(
+            match worker
+                .store
+                .record_batch(
+                    lease,
+                    &result,
+                    settings.delete_published,
+                    settings.max_attempts,
+                )
+                .await
+            {
+                Ok(recorded) => {
+                    counter!(m::RETRIES).increment(recorded.retrying);
+                    counter!(m::QUARANTINED).increment(recorded.quarantined);
+                    if recorded.quarantined > 0 {
+                        tracing::error!(
+                            partition = lease.partition,
+                            quarantined = recorded.quarantined,
+                            "events quarantined after relay.max_attempts; inspect with \
+                             `outpost status` and release their aggregates to replay them"
+                        );
+                    }
+                    match transient {
+                        Some(e) => {
+                            counter!(m::FAILURES, "kind" => "transient", "code" => e.code().to_owned())
+                                .increment(1);
+                            Err(BatchError::Transient(e.to_string()))
+                        }
+                        None => Ok(done(claimed, per_rows)),
+                    }
+                }
+                Err(e) => Err(BatchError::from(e)),
+            },
         );
     }
-    if let Some(e) = transient {
-        counter!(m::FAILURES, "kind" => "transient", "code" => e.code().to_owned()).increment(1);
-        return Err(BatchError::Transient(e.to_string()));
+    histogram!(m::MARK_SECONDS).record(started.elapsed().as_secs_f64());
+    fail::fail_point!("after-mark", |_| std::process::abort());
+    finish(outcomes)
+}
+
+fn done(claimed: usize, per_rows: u32) -> BatchOutcome {
+    BatchOutcome::Done {
+        claimed,
+        full: claimed >= per_rows as usize,
     }
-    Ok(BatchOutcome::Done { claimed, full })
+}
+
+fn finish(outcomes: Vec<Option<Outcome>>) -> Vec<Outcome> {
+    outcomes
+        .into_iter()
+        .map(|o| o.unwrap_or(Ok(BatchOutcome::Idle)))
+        .collect()
+}
+
+/// Runs one batch for `lease` alone.
+pub async fn run_batch(worker: &Worker, lease: &LeaseRef) -> Outcome {
+    run_group(worker, std::slice::from_ref(lease))
+        .await
+        .pop()
+        .unwrap_or(Ok(BatchOutcome::Idle))
 }
 
 /// Publishes the plan. With fault points compiled in, the batch is published in two calls with
 /// the `mid-batch` point between them, so a crash can land half-way through a batch.
 async fn publish(
     worker: &Worker,
-    lease: &LeaseRef,
     batches: &[StreamBatch],
 ) -> Result<Vec<StreamOutcome>, PublishError> {
     #[cfg(feature = "failpoints")]
     if batches.len() > 1 {
         let (a, b) = batches.split_at(batches.len() / 2);
-        let mut out = worker
-            .publisher
-            .publish(lease.partition, lease.epoch, a)
-            .await?;
+        let mut out = worker.publisher.publish(a).await?;
         fail::fail_point!("mid-batch", |_| std::process::abort());
-        out.extend(
-            worker
-                .publisher
-                .publish(lease.partition, lease.epoch, b)
-                .await?,
-        );
+        out.extend(worker.publisher.publish(b).await?);
         return Ok(out);
     }
-    worker
-        .publisher
-        .publish(lease.partition, lease.epoch, batches)
-        .await
+    worker.publisher.publish(batches).await
 }
 
 fn failure(settings: &RelaySettings, origin: &Origin, error: &PublishError) -> FailedEvent {
@@ -437,6 +600,8 @@ fn plan(
         let idx = *stream_index.entry(stream.clone()).or_insert_with(|| {
             plan.batches.push(StreamBatch {
                 stream,
+                partition: lease.partition,
+                epoch: lease.epoch,
                 entries: Vec::new(),
             });
             plan.origins.push(Vec::new());

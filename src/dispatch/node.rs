@@ -242,6 +242,7 @@ async fn boot(config: Config) -> Result<Booted, NodeError> {
                     store,
                     publisher,
                     slots: Arc::new(tokio::sync::Semaphore::new(slots)),
+                    queue: Arc::default(),
                     shared,
                 })
             }

@@ -17,7 +17,7 @@ use futures::FutureExt;
 use metrics::counter;
 
 use super::backoff;
-use super::batch::{BatchError, BatchOutcome, Worker, run_batch};
+use super::batch::{BatchError, BatchOutcome, Worker};
 use crate::metrics as m;
 use crate::store::LeaseRef;
 
@@ -120,7 +120,7 @@ impl PartitionActor {
         let (worker, lease) = (self.worker.clone(), self.lease.clone());
         let fut = async move {
             fail::fail_point!("actor-panic");
-            run_batch(&worker, &lease).await
+            worker.run(lease).await
         };
         let fut = AssertUnwindSafe(fut).catch_unwind();
         ctx.spawn(

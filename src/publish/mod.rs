@@ -17,11 +17,16 @@ use redis::{Client, Value};
 pub use entry::{Message, entry_fields};
 pub use error::{ErrorClass, PublishError, classify_code};
 
-/// Entries for one stream, in the order they must appear.
+/// Entries of one partition for one stream, in the order they must appear, fenced by that
+/// partition's lease epoch.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StreamBatch {
     /// Full stream key (prefix included).
     pub stream: String,
+    /// The partition the entries belong to.
+    pub partition: i32,
+    /// The partition's lease epoch (the fencing token).
+    pub epoch: i64,
     /// The entries' fields, one `Vec` of `(name, value)` per entry.
     pub entries: Vec<Vec<(&'static str, String)>>,
 }
@@ -113,22 +118,21 @@ impl Publisher {
         Ok(())
     }
 
-    /// Appends every batch, fenced by `(partition, epoch)`. An `Err` means the outcome of the
-    /// whole call is unknown (connection lost, timeout): some entries may have been appended.
+    /// Appends every batch, each fenced by its partition's epoch, in one pipelined call. An
+    /// `Err` means the outcome of the whole call is unknown (connection lost, timeout): some
+    /// entries may have been appended.
     pub async fn publish(
         &self,
-        partition: i32,
-        epoch: i64,
         batches: &[StreamBatch],
     ) -> Result<Vec<StreamOutcome>, PublishError> {
         if batches.is_empty() {
             return Ok(Vec::new());
         }
         let mut c = self.conn.clone();
-        let replies = match self.run(&mut c, partition, epoch, batches).await {
+        let replies = match self.run(&mut c, batches).await {
             Err(e) if e.is_noscript() => {
                 script::load(&mut c).await?;
-                self.run(&mut c, partition, epoch, batches).await?
+                self.run(&mut c, batches).await?
             }
             other => other?,
         };
@@ -138,8 +142,6 @@ impl Publisher {
     async fn run(
         &self,
         c: &mut ConnectionManager,
-        partition: i32,
-        epoch: i64,
         batches: &[StreamBatch],
     ) -> Result<Vec<StreamOutcome>, PublishError> {
         let mut pipe = redis::pipe();
@@ -148,8 +150,8 @@ impl Publisher {
             pipe.add_command(script::call(
                 &self.fence_key(&b.stream),
                 &b.stream,
-                partition,
-                epoch,
+                b.partition,
+                b.epoch,
                 &b.entries,
             ));
         }

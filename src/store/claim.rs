@@ -14,6 +14,8 @@ use super::{Store, StoreError, stmt};
 pub struct ClaimedEvent {
     /// Outbox row id.
     pub id: i64,
+    /// The row's partition.
+    pub partition: i32,
     /// Event identity.
     pub event_id: uuid::Uuid,
     /// Aggregate type.
@@ -102,25 +104,40 @@ impl Store {
         max_rows: u32,
         max_bytes: u64,
     ) -> Result<Vec<ClaimedEvent>, StoreError> {
+        self.claim_many(&[partition], max_rows, max_bytes).await
+    }
+
+    /// [`Store::claim`] for several partitions in one statement: each partition's ready rows
+    /// within its own limits, ordered by partition, then id.
+    pub async fn claim_many(
+        &self,
+        partitions: &[i32],
+        max_rows: u32,
+        max_bytes: u64,
+    ) -> Result<Vec<ClaimedEvent>, StoreError> {
+        if partitions.is_empty() {
+            return Ok(Vec::new());
+        }
         let rows = self
             .connection()
             .query_all_raw(stmt(
-                "SELECT id, event_id, aggregate_type, aggregate_id, aggregate_seq, event_type, \
-                        schema_version, occurred_at, recorded_at, payload::text, headers::text, \
-                        destination, attempts \
-                 FROM ( \
+                "SELECT w.id, w.event_id, w.aggregate_type, w.aggregate_id, w.aggregate_seq, \
+                        w.event_type, w.schema_version, w.occurred_at, w.recorded_at, \
+                        w.payload::text, w.headers::text, w.destination, w.attempts, w.partition \
+                 FROM unnest($1::int4[]) AS p(partition), LATERAL ( \
                    SELECT t.*, \
                           sum(pg_column_size(t.payload) + pg_column_size(t.headers)) \
                             OVER (ORDER BY t.id) AS running, \
                           row_number() OVER (ORDER BY t.id) AS n \
                    FROM (SELECT e.* FROM outpost_event e \
-                         WHERE e.partition = $1 AND e.status IN ('pending', 'retry_wait') \
+                         WHERE e.partition = p.partition \
+                           AND e.status IN ('pending', 'retry_wait') \
                            AND e.next_attempt_at <= now() \
                          ORDER BY e.id LIMIT $2) t) w \
                  WHERE w.n = 1 OR w.running <= $3 \
-                 ORDER BY id",
+                 ORDER BY w.partition, w.id",
                 [
-                    partition.into(),
+                    num_array(partitions).into(),
                     i64::from(max_rows).into(),
                     i64::try_from(max_bytes).unwrap_or(i64::MAX).into(),
                 ],
@@ -144,8 +161,59 @@ impl Store {
                     headers: r.try_get_by_index(10).map_err(g)?,
                     destination: r.try_get_by_index(11).map_err(g)?,
                     attempts: r.try_get_by_index(12).map_err(g)?,
+                    partition: r.try_get_by_index(13).map_err(g)?,
                 })
             })
+            .collect()
+    }
+
+    /// Marks (or deletes) published rows of several partitions in one statement. Each lease is
+    /// checked as in [`Store::record_batch`]: rows of a partition whose lease is no longer ours at
+    /// its epoch stay untouched. Returns the partitions whose lease held.
+    pub async fn mark_published_many(
+        &self,
+        node_id: &str,
+        leases: &[(i32, i64)],
+        published: &[(i64, String)],
+        delete_published: bool,
+    ) -> Result<Vec<i32>, StoreError> {
+        let parts: Vec<i32> = leases.iter().map(|(p, _)| *p).collect();
+        let epochs: Vec<i64> = leases.iter().map(|(_, e)| *e).collect();
+        let ids: Vec<i64> = published.iter().map(|(id, _)| *id).collect();
+        let sids: Vec<&str> = published.iter().map(|(_, s)| s.as_str()).collect();
+        let marked = if delete_published {
+            "DELETE FROM outpost_event e USING unnest($4::int8[]) AS v(id) \
+             WHERE e.id = v.id AND e.partition IN (SELECT partition FROM lease) RETURNING 1"
+        } else {
+            "UPDATE outpost_event e SET status = 'published', published_at = now(), \
+               stream_id = v.sid, last_error = NULL \
+             FROM unnest($4::int8[], $5::text[]) AS v(id, sid) \
+             WHERE e.id = v.id AND e.partition IN (SELECT partition FROM lease) RETURNING 1"
+        };
+        let sql = format!(
+            "WITH lease AS (SELECT p.partition FROM outpost_partition p \
+                            JOIN unnest($2::int4[], $3::int8[]) AS l(partition, epoch) \
+                              ON p.partition = l.partition AND p.epoch = l.epoch \
+                            WHERE p.owner = $1 FOR SHARE OF p), \
+                  marked AS ({marked}) \
+             SELECT partition FROM lease"
+        );
+        let rows = self
+            .connection()
+            .query_all_raw(stmt(
+                &sql,
+                [
+                    node_id.into(),
+                    num_array(&parts).into(),
+                    num_array(&epochs).into(),
+                    num_array(&ids).into(),
+                    text_array(&sids).into(),
+                ],
+            ))
+            .await
+            .map_err(StoreError::from_db)?;
+        rows.into_iter()
+            .map(|r| r.try_get_by_index::<i32>(0).map_err(StoreError::from_db))
             .collect()
     }
 
