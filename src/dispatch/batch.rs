@@ -187,7 +187,11 @@ impl Worker {
             .acquire()
             .await
             .map_err(|_| BatchError::Transient("the worker is shutting down".to_owned()))?;
-        let group = std::mem::take(&mut *lock(&self.queue));
+        let group: Vec<_> = {
+            let mut queue = lock(&self.queue);
+            let take = queue.len().min(GROUP_MAX);
+            queue.drain(..take).collect()
+        };
         if !group.is_empty() {
             let (leases, senders): (Vec<LeaseRef>, Vec<_>) = group.into_iter().unzip();
             let results = run_group(self, &leases).await;
@@ -203,6 +207,10 @@ impl Worker {
         })
     }
 }
+
+/// Most partitions in one group: enough to share statements under a steady flow, few enough that
+/// a worker draining a backlog keeps `relay.max_in_flight` groups going at once.
+const GROUP_MAX: usize = 8;
 
 fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     // A panic while the queue was locked leaves only a Vec behind; it is still usable.
