@@ -475,12 +475,20 @@ fn finish(outcomes: Vec<Option<Outcome>>) -> Vec<Outcome> {
         .collect()
 }
 
-/// Runs one batch for `lease` alone.
-pub async fn run_batch(worker: &Worker, lease: &LeaseRef) -> Outcome {
-    run_group(worker, std::slice::from_ref(lease))
-        .await
-        .pop()
-        .unwrap_or(Ok(BatchOutcome::Idle))
+impl Worker {
+    /// Runs one batch for `lease` alone, with a full batch's limits: for a partition with a
+    /// backlog, whose batches are large enough on their own.
+    pub async fn run_alone(&self, lease: LeaseRef) -> Outcome {
+        let _permit = self
+            .slots
+            .acquire()
+            .await
+            .map_err(|_| BatchError::Transient("the worker is shutting down".to_owned()))?;
+        run_group(self, std::slice::from_ref(&lease))
+            .await
+            .pop()
+            .unwrap_or(Ok(BatchOutcome::Idle))
+    }
 }
 
 /// Publishes the plan. With fault points compiled in, the batch is published in two calls with

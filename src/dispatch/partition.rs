@@ -60,6 +60,9 @@ pub struct PartitionActor {
     /// Counts restarts after panics (shared with the supervisor, for tests and status).
     restarts: Arc<AtomicU64>,
     running: bool,
+    /// The last batch was full: the partition has a backlog, so batches run alone at full size
+    /// instead of joining a group.
+    backlog: bool,
     backing_off: bool,
     again: bool,
     stopping: bool,
@@ -98,6 +101,7 @@ impl PartitionActor {
             transient_max: transient.1,
             restarts,
             running: false,
+            backlog: false,
             backing_off: false,
             again: false,
             stopping: false,
@@ -117,10 +121,14 @@ impl PartitionActor {
         }
         self.running = true;
         self.again = false;
-        let (worker, lease) = (self.worker.clone(), self.lease.clone());
+        let (worker, lease, alone) = (self.worker.clone(), self.lease.clone(), self.backlog);
         let fut = async move {
             fail::fail_point!("actor-panic");
-            worker.run(lease).await
+            if alone {
+                worker.run_alone(lease).await
+            } else {
+                worker.run(lease).await
+            }
         };
         let fut = AssertUnwindSafe(fut).catch_unwind();
         ctx.spawn(
@@ -153,6 +161,7 @@ impl PartitionActor {
                 self.failures = 0;
                 self.panics = 0;
                 let more = matches!(outcome, BatchOutcome::Done { full: true, .. });
+                self.backlog = more;
                 if self.stopping {
                     self.finish();
                 } else if more || self.again {
