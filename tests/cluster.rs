@@ -7,18 +7,40 @@ mod support;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use outpost::dispatch::node::{self, NodeHandle};
+use outpost::dispatch::node::NodeHandle;
 use outpost::produce::{EventFact, Producer};
 use sea_orm::TransactionTrait;
 use serde_json::json;
 use support::{Deliveries, TestDb, TestRedis, relay_config, wait_until};
 
-async fn start(config: outpost::config::Config) -> NodeHandle {
-    support::init_logs();
-    tokio::task::spawn_blocking(move || node::start(&config))
-        .await
-        .unwrap()
-        .expect("node starts")
+/// Writers committing batches of ten events over 300 aggregates until `stop`; returns the ids.
+fn keep_writing(db: &TestDb, stop: Arc<AtomicBool>) -> tokio::task::JoinHandle<Vec<String>> {
+    let store = db.store.clone();
+    tokio::spawn(async move {
+        let mut ids = Vec::new();
+        let mut i = 0u64;
+        while !stop.load(Ordering::Relaxed) {
+            let facts: Vec<EventFact> = (0..10)
+                .map(|k| {
+                    EventFact::new(
+                        "kind0",
+                        format!("a{}", (i * 10 + k) % 300),
+                        "t",
+                        json!({"i": i}),
+                    )
+                })
+                .collect();
+            ids.extend(facts.iter().map(|f| f.id().to_string()));
+            let txn = store.connection().begin().await.unwrap();
+            Producer::default()
+                .enqueue_facts(&txn, facts)
+                .await
+                .unwrap();
+            txn.commit().await.unwrap();
+            i += 1;
+        }
+        ids
+    })
 }
 
 async fn owned(node: &NodeHandle) -> usize {
@@ -29,7 +51,7 @@ async fn owned(node: &NodeHandle) -> usize {
 async fn nodes_share_partitions_fairly_and_hand_over_without_loss_or_duplicates() {
     let db = TestDb::with_pool(8).await;
     let redis = TestRedis::new();
-    let a = start(relay_config(&db, &redis, "node-a")).await;
+    let a = support::start_node(relay_config(&db, &redis, "node-a")).await;
     wait_until(30, "node a to own every partition", || async {
         owned(&a).await == 64
     })
@@ -37,42 +59,15 @@ async fn nodes_share_partitions_fairly_and_hand_over_without_loss_or_duplicates(
 
     // Load runs throughout: writers commit events of 300 aggregates until told to stop.
     let stop = Arc::new(AtomicBool::new(false));
-    let writer = {
-        let (store, stop) = (db.store.clone(), stop.clone());
-        tokio::spawn(async move {
-            let mut ids = Vec::new();
-            let mut i = 0u64;
-            while !stop.load(Ordering::Relaxed) {
-                let facts: Vec<EventFact> = (0..10)
-                    .map(|k| {
-                        EventFact::new(
-                            "kind0",
-                            format!("a{}", (i * 10 + k) % 300),
-                            "t",
-                            json!({"i": i}),
-                        )
-                    })
-                    .collect();
-                ids.extend(facts.iter().map(|f| f.id().to_string()));
-                let txn = store.connection().begin().await.unwrap();
-                Producer::default()
-                    .enqueue_facts(&txn, facts)
-                    .await
-                    .unwrap();
-                txn.commit().await.unwrap();
-                i += 1;
-            }
-            ids
-        })
-    };
+    let writer = keep_writing(&db, stop.clone());
 
     // Scale out: a second and a third node; each ends with its fair share (⌈64/3⌉ = 22, ±1).
-    let b = start(relay_config(&db, &redis, "node-b")).await;
+    let b = support::start_node(relay_config(&db, &redis, "node-b")).await;
     wait_until(30, "a and b to split the partitions", || async {
         owned(&a).await == 32 && owned(&b).await == 32
     })
     .await;
-    let c = start(relay_config(&db, &redis, "node-c")).await;
+    let c = support::start_node(relay_config(&db, &redis, "node-c")).await;
     wait_until(30, "a, b and c to share the partitions fairly", || async {
         let (x, y, z) = (owned(&a).await, owned(&b).await, owned(&c).await);
         x + y + z == 64 && [x, y, z].iter().all(|n| (21..=22).contains(n))
@@ -110,8 +105,8 @@ async fn nodes_share_partitions_fairly_and_hand_over_without_loss_or_duplicates(
 async fn a_killed_node_is_taken_over_without_loss_or_order_violations() {
     let db = TestDb::with_pool(8).await;
     let redis = TestRedis::new();
-    let a = start(relay_config(&db, &redis, "kill-a")).await;
-    let b = start(relay_config(&db, &redis, "kill-b")).await;
+    let a = support::start_node(relay_config(&db, &redis, "kill-a")).await;
+    let b = support::start_node(relay_config(&db, &redis, "kill-b")).await;
     let args = support::relay_args(&db, &support::redis_url(), &redis.prefix, "kill-c", &[]);
     let mut c = support::spawn_outpost(&args, &[]);
     let owned_by_c = || {
@@ -130,29 +125,7 @@ async fn a_killed_node_is_taken_over_without_loss_or_order_violations() {
     .await;
 
     let stop = Arc::new(AtomicBool::new(false));
-    let writer = {
-        let (store, stop) = (db.store.clone(), stop.clone());
-        tokio::spawn(async move {
-            let mut ids = Vec::new();
-            let mut i = 0u64;
-            while !stop.load(Ordering::Relaxed) {
-                let facts: Vec<EventFact> = (0..10)
-                    .map(|k| {
-                        EventFact::new("kind0", format!("a{}", (i * 10 + k) % 300), "t", json!({}))
-                    })
-                    .collect();
-                ids.extend(facts.iter().map(|f| f.id().to_string()));
-                let txn = store.connection().begin().await.unwrap();
-                Producer::default()
-                    .enqueue_facts(&txn, facts)
-                    .await
-                    .unwrap();
-                txn.commit().await.unwrap();
-                i += 1;
-            }
-            ids
-        })
-    };
+    let writer = keep_writing(&db, stop.clone());
     let mut conn = redis.conn().await;
     wait_until(30, "publishing to be under way", || {
         let (prefix, mut c) = (redis.prefix.clone(), conn.clone());

@@ -8,7 +8,6 @@ mod support;
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 
-use outpost::dispatch::node::{self, NodeHandle};
 use outpost::produce::{EventFact, Producer};
 use rand::Rng;
 use sea_orm::{ConnectionTrait, DbBackend, Statement, TransactionTrait};
@@ -17,14 +16,6 @@ use support::{
     Deliveries, TestDb, TestRedis, assert_all_published, relay_config, relay_config_with, scalar,
     wait_for_idle_node, wait_until,
 };
-
-async fn start(config: outpost::config::Config) -> NodeHandle {
-    support::init_logs();
-    tokio::task::spawn_blocking(move || node::start(&config))
-        .await
-        .unwrap()
-        .expect("node starts")
-}
 
 async fn commit(db: &TestDb, facts: Vec<EventFact>) -> Vec<String> {
     let txn = db.store.connection().begin().await.unwrap();
@@ -52,7 +43,7 @@ async fn wait_delivered(redis: &TestRedis, n: usize, secs: u64) -> Deliveries {
 async fn every_committed_event_is_published_once_in_order_and_rolled_back_ones_never() {
     let db = TestDb::with_pool(24).await;
     let redis = TestRedis::new();
-    let node = start(relay_config(&db, &redis, "order-node")).await;
+    let node = support::start_node(relay_config(&db, &redis, "order-node")).await;
 
     let committed = Arc::new(Mutex::new(HashSet::new()));
     let rolled_back = Arc::new(Mutex::new(HashSet::new()));
@@ -117,7 +108,7 @@ async fn every_committed_event_is_published_once_in_order_and_rolled_back_ones_n
 async fn an_open_transaction_with_a_lower_id_is_not_skipped() {
     let db = TestDb::new().await;
     let redis = TestRedis::new();
-    let node = start(relay_config(&db, &redis, "ooo-node")).await;
+    let node = support::start_node(relay_config(&db, &redis, "ooo-node")).await;
     let p = Producer::default();
 
     let first = commit(
@@ -196,7 +187,7 @@ async fn poison_is_quarantined_and_holds_back_only_its_own_aggregates() {
             .await,
         );
     }
-    let node = start(relay_config(&db, &redis, "poison-node")).await;
+    let node = support::start_node(relay_config(&db, &redis, "poison-node")).await;
     let mut good = Vec::new();
     for n in 0..20 {
         good.extend(
@@ -293,7 +284,7 @@ async fn poison_is_quarantined_and_holds_back_only_its_own_aggregates() {
 async fn terminated_database_sessions_are_survived_without_loss() {
     let db = TestDb::new().await;
     let redis = TestRedis::new();
-    let node = start(relay_config(&db, &redis, "pgkill-node")).await;
+    let node = support::start_node(relay_config(&db, &redis, "pgkill-node")).await;
     let mut ids = Vec::new();
     let mut killed = 0;
     for round in 0..5 {
@@ -340,7 +331,7 @@ async fn a_missed_nudge_waits_for_the_scheduled_poll() {
         .execute_unprepared("ALTER TABLE outpost_event DISABLE TRIGGER outpost_event_nudge")
         .await
         .unwrap();
-    let node = start(relay_config(&db, &redis, "nonudge-node")).await;
+    let node = support::start_node(relay_config(&db, &redis, "nonudge-node")).await;
     wait_for_idle_node(&db).await;
     let id = commit(&db, vec![EventFact::new("kind0", "a", "t", json!({}))]).await;
     let d = wait_delivered(&redis, 1, 30).await;
@@ -365,7 +356,7 @@ async fn with_a_long_poll_interval_the_nudge_delivers() {
         ],
     );
     assert_eq!(config.node.heartbeat_ms, 20_000, "later overrides win");
-    let node = start(config).await;
+    let node = support::start_node(config).await;
     wait_for_idle_node(&db).await;
     // The next scheduled poll (the heartbeat tick) is twenty seconds away at the least and the
     // busy back-off has reached its one-minute ceiling: only the nudge can deliver in time.
@@ -401,7 +392,7 @@ async fn graceful_shutdown_mid_batch_loses_and_duplicates_nothing() {
             ("rate_limit.burst", "100"),
         ],
     );
-    let node = start(config.clone()).await;
+    let node = support::start_node(config.clone()).await;
     let mut conn = redis.conn().await;
     wait_until(30, "publishing to be under way", || {
         let prefix = redis.prefix.clone();
@@ -437,7 +428,7 @@ async fn graceful_shutdown_mid_batch_loses_and_duplicates_nothing() {
         "every published entry was marked: the in-flight batch finished"
     );
 
-    let node = start(relay_config(&db, &redis, "graceful-node-2")).await;
+    let node = support::start_node(relay_config(&db, &redis, "graceful-node-2")).await;
     let d = wait_delivered(&redis, ids.len(), 60).await;
     assert_eq!(d.duplicates(), 0);
     assert!(d.order_violations().is_empty());
@@ -448,7 +439,7 @@ async fn graceful_shutdown_mid_batch_loses_and_duplicates_nothing() {
 async fn a_paused_partition_publishes_nothing_survives_a_restart_and_resumes_in_order() {
     let db = TestDb::new().await;
     let redis = TestRedis::new();
-    let node = start(relay_config(&db, &redis, "pause-node")).await;
+    let node = support::start_node(relay_config(&db, &redis, "pause-node")).await;
     let part = i32::try_from(
         scalar(
             &db,
@@ -519,7 +510,7 @@ async fn a_paused_partition_publishes_nothing_survives_a_restart_and_resumes_in_
 
     // The pause is in the database: a restarted node honours it.
     node.shutdown().await;
-    let node = start(relay_config(&db, &redis, "pause-node-2")).await;
+    let node = support::start_node(relay_config(&db, &redis, "pause-node-2")).await;
     wait_until(30, "the new node to own the partition, paused", || {
         let owned = node.owned_partitions();
         async move {
@@ -571,7 +562,7 @@ async fn a_database_that_lost_history_moves_past_the_stale_fences_in_redis() {
         .await
         .unwrap();
 
-    let node = start(relay_config(&db, &redis, "restored-node")).await;
+    let node = support::start_node(relay_config(&db, &redis, "restored-node")).await;
     let ids = commit(&db, vec![EventFact::new("kind0", "a", "t", json!({}))]).await;
     let d = wait_delivered(&redis, 1, 30).await;
     assert_eq!(d.copies.get(&ids[0]), Some(&1));

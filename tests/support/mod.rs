@@ -480,3 +480,12 @@ pub async fn assert_all_published(db: &TestDb) {
         "every row is published"
     );
 }
+
+/// Starts a relay node in this process (its own thread and actix system).
+pub async fn start_node(config: outpost::config::Config) -> outpost::dispatch::node::NodeHandle {
+    init_logs();
+    tokio::task::spawn_blocking(move || outpost::dispatch::node::start(&config))
+        .await
+        .expect("node thread")
+        .expect("node starts")
+}
