@@ -45,8 +45,6 @@ pub enum PartitionReport {
     /// stopped working; the supervisor decides between a takeover and a database that lost
     /// history.
     Fenced(i32, i64, i64),
-    /// Database or Redis trouble; the actor backs off and retries by itself.
-    Backoff(i32, String),
 }
 
 /// One partition's actor.
@@ -190,7 +188,6 @@ impl PartitionActor {
                     &mut rand::rng(),
                 );
                 tracing::warn!(partition = p, %why, ?wait, "transient failure; backing off");
-                self.report.do_send(PartitionReport::Backoff(p, why));
                 if self.stopping {
                     self.finish();
                 } else {

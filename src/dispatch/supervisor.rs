@@ -694,7 +694,6 @@ impl Handler<PartitionReport> for NodeSupervisor {
                     slot.state = SlotState::Idle;
                 }
             }
-            PartitionReport::Backoff(..) => {}
             PartitionReport::LeaseLost(p, _) => {
                 self.slots.remove(&p);
                 self.update_gauges();

@@ -95,20 +95,10 @@ pub struct Recorded {
 }
 
 impl Store {
-    /// Ready rows of `partition` in id order (which, within an aggregate, is sequence order):
-    /// at most `max_rows` rows, and no more than `max_bytes` of payload and headers (always at
-    /// least one row, so an oversized event is still seen and dealt with).
-    pub async fn claim(
-        &self,
-        partition: i32,
-        max_rows: u32,
-        max_bytes: u64,
-    ) -> Result<Vec<ClaimedEvent>, StoreError> {
-        self.claim_many(&[partition], max_rows, max_bytes).await
-    }
-
-    /// [`Store::claim`] for several partitions in one statement: each partition's ready rows
-    /// within its own limits, ordered by partition, then id.
+    /// Ready rows of `partitions` in id order (which, within an aggregate, is sequence order),
+    /// in one statement: for each partition at most `max_rows` rows and no more than
+    /// `max_bytes` of payload and headers (always at least one row, so an oversized event is
+    /// still seen and dealt with). Ordered by partition, then id.
     pub async fn claim_many(
         &self,
         partitions: &[i32],
@@ -236,8 +226,20 @@ impl Store {
             && result.unblocked.is_empty()
             && result.failed.is_empty()
         {
-            self.mark_published(lease, &result.published, delete_published)
+            let held = self
+                .mark_published_many(
+                    &lease.node_id,
+                    &[(lease.partition, lease.epoch)],
+                    &result.published,
+                    delete_published,
+                )
                 .await?;
+            if held.is_empty() {
+                return Err(StoreError::LeaseLost {
+                    partition: lease.partition,
+                    epoch: lease.epoch,
+                });
+            }
             return Ok(Recorded::default());
         }
         let txn = self
@@ -302,57 +304,6 @@ impl Store {
         }
         txn.commit().await.map_err(StoreError::from_db)?;
         Ok(recorded)
-    }
-
-    /// The common case of [`Store::record_batch`] in one statement (one round trip, autocommit):
-    /// lock the lease row at our epoch, then mark or delete the published rows — or, when the
-    /// lease is gone, nothing.
-    async fn mark_published(
-        &self,
-        lease: &LeaseRef,
-        published: &[(i64, String)],
-        delete_published: bool,
-    ) -> Result<(), StoreError> {
-        let ids: Vec<i64> = published.iter().map(|(id, _)| *id).collect();
-        let sids: Vec<&str> = published.iter().map(|(_, s)| s.as_str()).collect();
-        let marked = if delete_published {
-            "DELETE FROM outpost_event WHERE id = ANY($4::int8[]) \
-               AND EXISTS (SELECT 1 FROM lease) RETURNING 1"
-        } else {
-            "UPDATE outpost_event e SET status = 'published', published_at = now(), \
-               stream_id = v.sid, last_error = NULL \
-             FROM unnest($4::int8[], $5::text[]) AS v(id, sid) \
-             WHERE e.id = v.id AND EXISTS (SELECT 1 FROM lease) RETURNING 1"
-        };
-        let sql = format!(
-            "WITH lease AS (SELECT 1 FROM outpost_partition \
-                            WHERE partition = $1 AND owner = $2 AND epoch = $3 FOR SHARE), \
-                  marked AS ({marked}) \
-             SELECT (SELECT count(*) FROM lease)::int8, (SELECT count(*) FROM marked)::int8"
-        );
-        let row = self
-            .connection()
-            .query_one_raw(stmt(
-                &sql,
-                [
-                    lease.partition.into(),
-                    lease.node_id.clone().into(),
-                    lease.epoch.into(),
-                    num_array(&ids).into(),
-                    text_array(&sids).into(),
-                ],
-            ))
-            .await
-            .map_err(StoreError::from_db)?
-            .ok_or_else(|| StoreError::Corrupt("the mark returned no row".to_owned()))?;
-        let held: i64 = row.try_get_by_index(0).map_err(StoreError::from_db)?;
-        if held == 0 {
-            return Err(StoreError::LeaseLost {
-                partition: lease.partition,
-                epoch: lease.epoch,
-            });
-        }
-        Ok(())
     }
 
     /// Releases a quarantined aggregate: its quarantined event goes back to `pending` with a

@@ -99,15 +99,6 @@ impl Store {
         &self.db
     }
 
-    /// A trivial round trip: used by readiness checks.
-    pub async fn ping(&self) -> Result<(), StoreError> {
-        self.db
-            .execute_unprepared("SELECT 1")
-            .await
-            .map_err(StoreError::from_db)?;
-        Ok(())
-    }
-
     /// The partition count fixed by the schema.
     pub async fn partition_count(&self) -> Result<u32, StoreError> {
         let row = self

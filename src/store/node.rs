@@ -39,18 +39,6 @@ impl Store {
         Ok(())
     }
 
-    /// Refreshes the node's heartbeat, by the database clock.
-    pub async fn heartbeat(&self, node_id: &str) -> Result<(), StoreError> {
-        self.connection()
-            .execute_raw(stmt(
-                "UPDATE outpost_node SET heartbeat_at = now() WHERE node_id = $1",
-                [node_id.into()],
-            ))
-            .await
-            .map_err(StoreError::from_db)?;
-        Ok(())
-    }
-
     /// Asks producers to NOTIFY on insert (`true`, the node is idle) or stops asking (`false`,
     /// the node polls because it is busy).
     pub async fn set_wants_nudge(&self, node_id: &str, wants: bool) -> Result<(), StoreError> {
