@@ -6,8 +6,10 @@
 //! backend without an implementation is refused with a clear error rather than half-migrated.
 
 pub use sea_orm_migration::prelude::*;
+use sea_orm_migration::sea_orm::DbBackend;
 
 mod m20261201_000001_outbox;
+mod m20261201_000002_lease_fence_key;
 
 /// The ordered list of Outpost's migrations, recorded in `outpost_migrations`.
 #[derive(Debug)]
@@ -16,10 +18,23 @@ pub struct Migrator;
 #[async_trait::async_trait]
 impl MigratorTrait for Migrator {
     fn migrations() -> Vec<Box<dyn MigrationTrait>> {
-        vec![Box::new(m20261201_000001_outbox::Migration)]
+        vec![
+            Box::new(m20261201_000001_outbox::Migration),
+            Box::new(m20261201_000002_lease_fence_key::Migration),
+        ]
     }
 
     fn migration_table_name() -> DynIden {
         "outpost_migrations".into_iden()
+    }
+}
+
+/// Refuses a backend the migrations have no SQL for, with an error that says so.
+fn require_postgres(manager: &SchemaManager) -> Result<(), DbErr> {
+    match manager.get_database_backend() {
+        DbBackend::Postgres => Ok(()),
+        other => Err(DbErr::Migration(format!(
+            "Outpost's schema is implemented for PostgreSQL only; {other:?} is not supported yet"
+        ))),
     }
 }

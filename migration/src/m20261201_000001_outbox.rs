@@ -5,7 +5,9 @@
 //! partition, the writing transaction id, the delivery state and the wake-up nudge.
 
 use sea_orm_migration::prelude::*;
-use sea_orm_migration::sea_orm::{ConnectionTrait, DbBackend};
+use sea_orm_migration::sea_orm::ConnectionTrait;
+
+use crate::require_postgres;
 
 /// Number of partitions created by this migration. Fixed for the life of a database: the
 /// partition of an aggregate is computed once, when its first event is written.
@@ -27,15 +29,6 @@ impl MigrationTrait for Migration {
         require_postgres(manager)?;
         manager.get_connection().execute_unprepared(DOWN).await?;
         Ok(())
-    }
-}
-
-fn require_postgres(manager: &SchemaManager) -> Result<(), DbErr> {
-    match manager.get_database_backend() {
-        DbBackend::Postgres => Ok(()),
-        other => Err(DbErr::Migration(format!(
-            "Outpost's schema is implemented for PostgreSQL only; {other:?} is not supported yet"
-        ))),
     }
 }
 

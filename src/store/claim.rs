@@ -184,7 +184,7 @@ impl Store {
             "WITH lease AS (SELECT p.partition FROM outpost_partition p \
                             JOIN unnest($2::int4[], $3::int8[]) AS l(partition, epoch) \
                               ON p.partition = l.partition AND p.epoch = l.epoch \
-                            WHERE p.owner = $1 FOR SHARE OF p), \
+                            WHERE p.owner = $1 ORDER BY p.partition FOR KEY SHARE OF p), \
                   marked AS ({marked}) \
              SELECT partition FROM lease"
         );
@@ -250,7 +250,7 @@ impl Store {
         let held = txn
             .query_one_raw(stmt(
                 "SELECT 1 FROM outpost_partition \
-                 WHERE partition = $1 AND owner = $2 AND epoch = $3 FOR SHARE",
+                 WHERE partition = $1 AND owner = $2 AND epoch = $3 FOR KEY SHARE",
                 [
                     lease.partition.into(),
                     lease.node_id.clone().into(),
