@@ -17,6 +17,7 @@
 pub mod admin;
 pub mod cli;
 pub mod config;
+pub mod consume;
 pub mod dispatch;
 pub mod metrics;
 pub mod produce;

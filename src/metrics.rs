@@ -44,6 +44,23 @@ pub const ACTOR_RESTARTS: &str = "outpost_partition_restarts_total";
 /// Nudges received from producers.
 pub const NUDGES: &str = "outpost_nudges_total";
 
+/// Consumer helper: events applied by a handler (label `group`, as for every consumer metric).
+pub const CONSUMER_PROCESSED: &str = "outpost_consumer_processed_total";
+/// Consumer helper: deliveries skipped because the group had applied the event already.
+pub const CONSUMER_DUPLICATES: &str = "outpost_consumer_duplicates_total";
+/// Consumer helper: deliveries held back because an earlier event of the aggregate is missing.
+pub const CONSUMER_HELD: &str = "outpost_consumer_held_total";
+/// Consumer helper: entries reclaimed from members idle longer than the claim time.
+pub const CONSUMER_RECLAIMED: &str = "outpost_consumer_reclaimed_total";
+/// Consumer helper: entries moved to the dead-letter stream.
+pub const CONSUMER_DEAD_LETTERED: &str = "outpost_consumer_dead_lettered_total";
+/// Consumer helper: handler attempts that asked to be retried.
+pub const CONSUMER_RETRIES: &str = "outpost_consumer_retries_total";
+/// Consumer helper: entries that left the stream before the group processed them.
+pub const CONSUMER_LOST: &str = "outpost_consumer_lost_total";
+/// Consumer helper: entries in the stream not yet delivered to the group.
+pub const CONSUMER_LAG: &str = "outpost_consumer_lag_entries";
+
 static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
 
 const LATENCY_BUCKETS: &[f64] = &[
@@ -128,4 +145,44 @@ fn describe() {
         "Partition actors restarted after a panic."
     );
     describe_counter!(NUDGES, Unit::Count, "Nudges received from producers.");
+    describe_counter!(
+        CONSUMER_PROCESSED,
+        Unit::Count,
+        "Events applied by a consumer handler."
+    );
+    describe_counter!(
+        CONSUMER_DUPLICATES,
+        Unit::Count,
+        "Deliveries of events the group had applied already."
+    );
+    describe_counter!(
+        CONSUMER_HELD,
+        Unit::Count,
+        "Deliveries held back behind a missing earlier event of their aggregate."
+    );
+    describe_counter!(
+        CONSUMER_RECLAIMED,
+        Unit::Count,
+        "Entries reclaimed from idle group members."
+    );
+    describe_counter!(
+        CONSUMER_DEAD_LETTERED,
+        Unit::Count,
+        "Entries moved to the consumer dead-letter stream."
+    );
+    describe_counter!(
+        CONSUMER_RETRIES,
+        Unit::Count,
+        "Handler attempts that asked to be retried."
+    );
+    describe_counter!(
+        CONSUMER_LOST,
+        Unit::Count,
+        "Entries that left the stream before the group processed them."
+    );
+    describe_gauge!(
+        CONSUMER_LAG,
+        Unit::Count,
+        "Entries not yet delivered to the group."
+    );
 }

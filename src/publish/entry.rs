@@ -29,6 +29,39 @@ pub struct Message {
     pub headers: String,
 }
 
+/// Names of the entry fields: the stream contract, shared by the publisher and the consumer
+/// helpers.
+pub mod field {
+    /// `1.0`.
+    pub const SPECVERSION: &str = "ce_specversion";
+    /// The event id.
+    pub const ID: &str = "ce_id";
+    /// The event type.
+    pub const TYPE: &str = "ce_type";
+    /// `/outpost/<aggregate type>`.
+    pub const SOURCE: &str = "ce_source";
+    /// The aggregate id.
+    pub const SUBJECT: &str = "ce_subject";
+    /// When the fact happened.
+    pub const TIME: &str = "ce_time";
+    /// The aggregate type.
+    pub const AGGREGATE_TYPE: &str = "ce_aggregatetype";
+    /// The sequence within the aggregate.
+    pub const AGGREGATE_SEQ: &str = "ce_aggregateseq";
+    /// The payload's schema version.
+    pub const SCHEMA_VERSION: &str = "ce_schemaversion";
+    /// `application/json`.
+    pub const CONTENT_TYPE: &str = "content-type";
+    /// W3C trace context.
+    pub const TRACEPARENT: &str = "traceparent";
+    /// W3C trace state.
+    pub const TRACESTATE: &str = "tracestate";
+    /// Other producer headers, a JSON object.
+    pub const HEADERS: &str = "headers";
+    /// The payload, JSON text.
+    pub const DATA: &str = "data";
+}
+
 /// The fields of the stream entry for `m`, consuming it (the payload is moved, not copied).
 pub fn entry_fields(m: Message) -> Result<Vec<(&'static str, String)>, PublishError> {
     let mut headers: Map<String, Value> = if m.headers.is_empty() || m.headers == "{}" {
@@ -39,32 +72,25 @@ pub fn entry_fields(m: Message) -> Result<Vec<(&'static str, String)>, PublishEr
         })?
     };
     let mut fields = Vec::with_capacity(14);
-    fields.push(("ce_specversion", "1.0".to_owned()));
-    fields.push(("ce_id", m.event_id));
-    fields.push(("ce_type", m.event_type));
-    fields.push(("ce_source", format!("/outpost/{}", m.aggregate_type)));
-    fields.push(("ce_subject", m.aggregate_id));
-    fields.push(("ce_time", m.time));
-    fields.push(("ce_aggregatetype", m.aggregate_type));
-    fields.push(("ce_aggregateseq", m.aggregate_seq.to_string()));
-    fields.push(("ce_schemaversion", m.schema_version));
-    fields.push(("content-type", "application/json".to_owned()));
-    for name in ["traceparent", "tracestate"] {
+    fields.push((field::SPECVERSION, "1.0".to_owned()));
+    fields.push((field::ID, m.event_id));
+    fields.push((field::TYPE, m.event_type));
+    fields.push((field::SOURCE, format!("/outpost/{}", m.aggregate_type)));
+    fields.push((field::SUBJECT, m.aggregate_id));
+    fields.push((field::TIME, m.time));
+    fields.push((field::AGGREGATE_TYPE, m.aggregate_type));
+    fields.push((field::AGGREGATE_SEQ, m.aggregate_seq.to_string()));
+    fields.push((field::SCHEMA_VERSION, m.schema_version));
+    fields.push((field::CONTENT_TYPE, "application/json".to_owned()));
+    for name in [field::TRACEPARENT, field::TRACESTATE] {
         if let Some(Value::String(v)) = headers.remove(name) {
-            fields.push((
-                if name == "traceparent" {
-                    "traceparent"
-                } else {
-                    "tracestate"
-                },
-                v,
-            ));
+            fields.push((name, v));
         }
     }
     if !headers.is_empty() {
-        fields.push(("headers", Value::Object(headers).to_string()));
+        fields.push((field::HEADERS, Value::Object(headers).to_string()));
     }
-    fields.push(("data", m.payload));
+    fields.push((field::DATA, m.payload));
     Ok(fields)
 }
 

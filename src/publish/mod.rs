@@ -14,7 +14,7 @@ use std::time::Duration;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Client, Value};
 
-pub use entry::{Message, entry_fields};
+pub use entry::{Message, entry_fields, field};
 pub use error::{ErrorClass, PublishError, classify_code};
 
 /// Entries of one partition for one stream, in the order they must appear, fenced by that

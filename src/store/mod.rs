@@ -10,6 +10,7 @@ pub mod bench;
 mod claim;
 mod error;
 mod events;
+pub mod inbox;
 mod lease;
 mod listen;
 mod migrate;

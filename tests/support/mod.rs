@@ -14,6 +14,8 @@ use std::time::Duration;
 
 use outpost::store::{self, ConnectSettings, Store, admin};
 
+pub mod consumer;
+
 /// Server URL of the test PostgreSQL.
 pub fn server_url() -> String {
     std::env::var("TEST_DATABASE_URL")

@@ -1,0 +1,690 @@
+//! Consumer helpers: process each event of an Outpost stream once, in order per aggregate,
+//! inside the consumer's own database transaction.
+//!
+//! Delivery from Outpost is at least once. [`Consumer`] turns that into exactly-once effects:
+//!
+//! 1. It reads the stream as a member of a consumer group (created from the start of the stream
+//!    when missing, never silently from `$`).
+//! 2. For each entry it opens a transaction on the consumer's database, locks the group's
+//!    position in the entry's aggregate and checks it: an event already applied (in the inbox, or
+//!    at or below the position) is skipped; an event ahead of a gap is held back and tried again;
+//!    only the aggregate's next event goes to the [`Handler`].
+//! 3. The handler writes its effects through that transaction; the helper adds the event id to
+//!    the inbox and moves the position, commits, and only then acknowledges the entry (`XACK`).
+//!    A crash anywhere before the acknowledgement delivers the entry again, and the inbox skips
+//!    it.
+//!
+//! Aggregates are processed in parallel (up to `concurrency` at a time), each one's events one
+//! after the other in sequence order. Entries left pending by a member that died are reclaimed
+//! after `claim_idle`. A handler failure is retried with back-off until the group has delivered
+//! the entry `max_deliveries` times (or at once, for a permanent failure); then the entry goes to
+//! the dead-letter stream with the error and its original fields, the aggregate moves on, and
+//! the entry is acknowledged. Entries that leave the stream (trimming) before the group
+//! processed them are counted as lost, never as success. `docs/consumers.md` is the guide.
+
+mod apply;
+mod delivery;
+mod error;
+mod handler;
+mod stream;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use sea_orm::DatabaseConnection;
+use tokio::time::Instant;
+
+pub use delivery::{Delivery, NotAnEvent};
+pub use error::ConsumeError;
+pub use handler::{Handler, HandlerError};
+
+use apply::{Applier, Outcome};
+use stream::{GroupStream, RawEntry};
+
+use crate::metrics as m;
+use metrics::{counter, gauge};
+
+/// Where a new consumer group starts reading.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum StartFrom {
+    /// From the first entry still in the stream (the default: nothing is skipped).
+    #[default]
+    Beginning,
+    /// Only entries added after the group is created. Chosen explicitly, never by default.
+    Latest,
+}
+
+/// How strictly per-aggregate order is enforced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OrderMode {
+    /// Apply only the aggregate's next sequence; hold an event that arrives after a gap until
+    /// the missing one is applied (the default). Right when the stream carries every event of
+    /// its aggregates.
+    #[default]
+    Strict,
+    /// Apply any sequence above the last applied one, never a lower one. For streams that carry
+    /// only some of an aggregate's event types (routing sends the others elsewhere), where gaps
+    /// are expected.
+    Monotonic,
+}
+
+/// Settings of a [`Consumer`]. Start from [`ConsumerSettings::new`] and change what you need.
+#[derive(Clone)]
+pub struct ConsumerSettings {
+    /// `redis://` URL. Never logged.
+    pub redis_url: String,
+    /// Prefix of the helper's own keys (its loss count), as `redis.key_prefix` for the relay.
+    pub key_prefix: String,
+    /// The stream's full key.
+    pub stream: String,
+    /// The consumer group; also the inbox's and positions' key in the database.
+    pub group: String,
+    /// This member's name within the group. Give a restarted member the same name to have it
+    /// pick up its own pending entries at once; otherwise they are reclaimed after `claim_idle`.
+    pub consumer: String,
+    /// Where a group created by this helper starts.
+    pub start: StartFrom,
+    /// Entries read per round (1..=10,000).
+    pub batch: usize,
+    /// Aggregates processed at the same time (1..=1,024); each holds a database connection
+    /// while its handler runs.
+    pub concurrency: usize,
+    /// Longest wait for new entries when idle.
+    pub block: Duration,
+    /// Entries pending this long at a member are taken over by another (`XAUTOCLAIM`).
+    pub claim_idle: Duration,
+    /// How often to look for such entries.
+    pub claim_interval: Duration,
+    /// Deliveries after which a failing entry goes to the dead-letter stream (≥ 1).
+    pub max_deliveries: u32,
+    /// First back-off after a failure worth retrying; doubles per delivery, with jitter, up to
+    /// `claim_idle`.
+    pub retry_backoff: Duration,
+    /// How per-aggregate order is enforced.
+    pub order: OrderMode,
+    /// How long an event that arrived ahead of a gap is kept and retried in memory; after that
+    /// it stays pending until reclaimed. Shorter than `claim_idle`.
+    pub order_wait: Duration,
+    /// The dead-letter stream (default: the stream's key followed by `:dead`).
+    pub dead_letter: Option<String>,
+    /// Redis connect timeout.
+    pub connect_timeout: Duration,
+    /// Redis per-request timeout (blocking waits add `block` to it).
+    pub response_timeout: Duration,
+    /// Acknowledge before committing: deliberately wrong, kept only so the tests can show that
+    /// their checker catches the loss it causes.
+    #[cfg(feature = "failpoints")]
+    #[doc(hidden)]
+    pub ack_before_commit: bool,
+}
+
+impl std::fmt::Debug for ConsumerSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConsumerSettings")
+            .field("redis_url", &"<redacted>")
+            .field("stream", &self.stream)
+            .field("group", &self.group)
+            .field("consumer", &self.consumer)
+            .field("start", &self.start)
+            .field("batch", &self.batch)
+            .field("concurrency", &self.concurrency)
+            .field("claim_idle", &self.claim_idle)
+            .field("max_deliveries", &self.max_deliveries)
+            .field("order", &self.order)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ConsumerSettings {
+    /// Defaults for reading `stream` as a member of `group`, named after this host and process.
+    pub fn new(
+        redis_url: impl Into<String>,
+        stream: impl Into<String>,
+        group: impl Into<String>,
+    ) -> Self {
+        Self {
+            redis_url: redis_url.into(),
+            key_prefix: String::new(),
+            stream: stream.into(),
+            group: group.into(),
+            consumer: default_consumer_name(),
+            start: StartFrom::Beginning,
+            batch: 100,
+            concurrency: 16,
+            block: Duration::from_secs(2),
+            claim_idle: Duration::from_secs(30),
+            claim_interval: Duration::from_secs(5),
+            max_deliveries: 5,
+            retry_backoff: Duration::from_millis(500),
+            order: OrderMode::Strict,
+            order_wait: Duration::from_secs(5),
+            dead_letter: None,
+            connect_timeout: Duration::from_secs(5),
+            response_timeout: Duration::from_secs(5),
+            #[cfg(feature = "failpoints")]
+            ack_before_commit: false,
+        }
+    }
+
+    /// The dead-letter stream's key.
+    pub fn dead_letter_stream(&self) -> String {
+        self.dead_letter
+            .clone()
+            .unwrap_or_else(|| format!("{}:dead", self.stream))
+    }
+
+    /// Checks every setting; the error names the first one out of range and what is allowed.
+    pub fn validate(&self) -> Result<(), ConsumeError> {
+        let bad = |m: String| Err(ConsumeError::Settings(m));
+        for (name, v) in [
+            ("stream", &self.stream),
+            ("group", &self.group),
+            ("consumer", &self.consumer),
+        ] {
+            if v.is_empty() || v.chars().any(|c| c.is_control() || c.is_whitespace()) {
+                return bad(format!(
+                    "{name} {v:?} must be non-empty, without spaces or control characters"
+                ));
+            }
+        }
+        if !(1..=10_000).contains(&self.batch) {
+            return bad(format!("batch is {}; allowed 1..=10000", self.batch));
+        }
+        if !(1..=1024).contains(&self.concurrency) {
+            return bad(format!(
+                "concurrency is {}; allowed 1..=1024",
+                self.concurrency
+            ));
+        }
+        if self.max_deliveries == 0 {
+            return bad("max_deliveries is 0; at least 1 is needed".into());
+        }
+        if self.block < Duration::from_millis(10) {
+            return bad(format!("block is {:?}; at least 10 ms", self.block));
+        }
+        if self.claim_idle < Duration::from_secs(1) {
+            return bad(format!("claim_idle is {:?}; at least 1 s", self.claim_idle));
+        }
+        if self.order_wait >= self.claim_idle {
+            return bad(format!(
+                "order_wait ({:?}) must be shorter than claim_idle ({:?}), or held entries would \
+                 be reclaimed while still held",
+                self.order_wait, self.claim_idle
+            ));
+        }
+        if self.dead_letter_stream() == self.stream {
+            return bad("dead_letter must not be the stream itself".into());
+        }
+        Ok(())
+    }
+}
+
+fn default_consumer_name() -> String {
+    let host = std::fs::read_to_string("/etc/hostname")
+        .ok()
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty() && !h.chars().any(char::is_whitespace))
+        .unwrap_or_else(|| "consumer".to_owned());
+    format!("{host}-{}", std::process::id())
+}
+
+/// Counts of what a consumer did (also exported as metrics, labelled by group).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ConsumerStats {
+    /// Events applied by the handler.
+    pub processed: u64,
+    /// Deliveries skipped because the group had applied the event already.
+    pub duplicates: u64,
+    /// Deliveries held back behind a missing earlier event of their aggregate.
+    pub held: u64,
+    /// Handler attempts that asked to be retried (and infrastructure failures).
+    pub retries: u64,
+    /// Entries reclaimed from idle members.
+    pub reclaimed: u64,
+    /// Entries moved to the dead-letter stream.
+    pub dead_lettered: u64,
+    /// Entries that left the stream before the group processed them.
+    pub lost: u64,
+}
+
+/// An entry kept for another try.
+struct Later {
+    delivery: Delivery,
+    due: Instant,
+    /// A handler failure: claimed again (counting a delivery) before the next try.
+    reclaim: bool,
+}
+
+/// A member of a consumer group applying a stream's events through a [`Handler`].
+pub struct Consumer<H> {
+    settings: ConsumerSettings,
+    stream: Arc<GroupStream>,
+    applier: Arc<Applier<H>>,
+    later: Vec<Later>,
+    /// Entries held for order, by stream id: until when they are kept in memory; after that
+    /// they stay pending until a reclaim delivers them again.
+    held_until: HashMap<String, Instant>,
+    claim_cursor: String,
+    next_claim: Instant,
+    last_id: String,
+    stats: ConsumerStats,
+}
+
+impl<H> std::fmt::Debug for Consumer<H> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Consumer")
+            .field("settings", &self.settings)
+            .field("stats", &self.stats)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<H: Handler> Consumer<H> {
+    /// Connects to Redis and creates the group when it does not exist. `db` is the consumer's
+    /// database, migrated with `outpost migrate up` (it needs `outpost_inbox` and
+    /// `outpost_consumer_position`).
+    pub async fn connect(
+        settings: ConsumerSettings,
+        db: DatabaseConnection,
+        handler: H,
+    ) -> Result<Self, ConsumeError> {
+        settings.validate()?;
+        let stream = Arc::new(GroupStream::connect(&settings).await?);
+        let consumer = Self {
+            applier: Arc::new(Applier {
+                db,
+                handler: Arc::new(handler),
+                stream: stream.clone(),
+                group: settings.group.clone(),
+                order: settings.order,
+                max_deliveries: settings.max_deliveries,
+                #[cfg(feature = "failpoints")]
+                ack_before_commit: settings.ack_before_commit,
+            }),
+            stream,
+            later: Vec::new(),
+            held_until: HashMap::new(),
+            claim_cursor: "0-0".to_owned(),
+            next_claim: Instant::now(),
+            last_id: "0-0".to_owned(),
+            stats: ConsumerStats::default(),
+            settings,
+        };
+        consumer.ensure_group().await?;
+        Ok(consumer)
+    }
+
+    async fn ensure_group(&self) -> Result<(), ConsumeError> {
+        let s = &self.settings;
+        let state = self.stream.ensure_group(s.start).await?;
+        if state.created {
+            tracing::info!(stream = %s.stream, group = %s.group, start = ?s.start, "consumer group created");
+            if state.gone > 0 && s.start == StartFrom::Beginning {
+                tracing::warn!(
+                    stream = %s.stream, group = %s.group, trimmed = state.gone,
+                    "the stream had lost its first entries before this group existed; they are \
+                     not counted as lost for the group"
+                );
+            }
+        } else if !state.counted {
+            tracing::warn!(
+                stream = %s.stream, group = %s.group,
+                "this group was created without Outpost's helper: entries lost before now cannot \
+                 be counted"
+            );
+        }
+        Ok(())
+    }
+
+    /// What this consumer has done so far.
+    pub fn stats(&self) -> ConsumerStats {
+        self.stats
+    }
+
+    /// The group's count of lost entries, by every member.
+    pub async fn lost_total(&self) -> Result<u64, ConsumeError> {
+        self.stream.lost_total().await
+    }
+
+    /// Runs until `shutdown` completes, then finishes the round in flight (its commits and
+    /// acknowledgements) and returns what it did. Redis or database outages are waited out;
+    /// only a fault point (tests) ends it early with an error.
+    pub async fn run_until(
+        mut self,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<ConsumerStats, ConsumeError> {
+        tokio::pin!(shutdown);
+        let mut backoff = Duration::from_millis(100);
+        match self.stream.own_pending(self.settings.batch).await {
+            Ok(own) if !own.is_empty() => {
+                tracing::info!(
+                    entries = own.len(),
+                    "picking up this member's pending entries"
+                );
+                let deliveries = self.decode(own).await?;
+                self.process_deliveries(deliveries).await?;
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "could not read this member's pending entries"),
+        }
+        loop {
+            if futures::poll!(&mut shutdown).is_ready() {
+                return Ok(self.stats);
+            }
+            match self.round().await {
+                Ok(true) => backoff = Duration::from_millis(100),
+                Ok(false) => {
+                    let wait = self.idle_wait();
+                    tokio::select! {
+                        () = &mut shutdown => return Ok(self.stats),
+                        r = self.stream.wait_for_new(&self.last_id, wait) => {
+                            if let Err(e) = r {
+                                tracing::warn!(error = %e, "waiting for new entries failed");
+                                tokio::time::sleep(backoff).await;
+                            }
+                        }
+                    }
+                }
+                Err(ConsumeError::Fault(point)) => return Err(ConsumeError::Fault(point)),
+                Err(e) => {
+                    tracing::warn!(error = %e, wait = ?backoff, "consumer round failed; backing off");
+                    tokio::select! {
+                        () = &mut shutdown => return Ok(self.stats),
+                        () = tokio::time::sleep(backoff) => {}
+                    }
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                }
+            }
+        }
+    }
+
+    /// How long an idle consumer may block: until the next entry kept for later is due, the
+    /// next reclaim pass, or `block`.
+    fn idle_wait(&self) -> Duration {
+        let now = Instant::now();
+        let mut until = (now + self.settings.block).min(self.next_claim);
+        if let Some(due) = self.later.iter().map(|l| l.due).min() {
+            until = until.min(due);
+        }
+        until
+            .saturating_duration_since(now)
+            .max(Duration::from_millis(10))
+    }
+
+    /// One round: entries due again, reclaimed ones and new ones, processed and acknowledged.
+    /// Returns whether there was anything to do.
+    pub async fn round(&mut self) -> Result<bool, ConsumeError> {
+        let now = Instant::now();
+        let mut batch: Vec<RawEntry> = Vec::new();
+        let mut ready: Vec<Delivery> = Vec::new();
+        let mut reclaim_ids = Vec::new();
+        let mut kept = Vec::new();
+        for l in std::mem::take(&mut self.later) {
+            let id = &l.delivery.stream_id;
+            if self.held_until.get(id).is_some_and(|t| now >= *t) {
+                self.held_until.remove(id);
+                tracing::debug!(
+                    stream_id = %l.delivery.stream_id,
+                    "held entry left pending for a later reclaim"
+                );
+            } else if l.due > now {
+                kept.push(l);
+            } else if l.reclaim {
+                reclaim_ids.push(l.delivery.stream_id);
+            } else {
+                ready.push(l.delivery);
+            }
+        }
+        self.later = kept;
+        if !reclaim_ids.is_empty() {
+            match self.stream.claim(&reclaim_ids).await {
+                Ok(entries) => batch.extend(entries),
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not claim entries to retry; retrying later");
+                }
+            }
+        }
+        if now >= self.next_claim {
+            self.next_claim = now + self.settings.claim_interval;
+            let (next, entries, lost) = self
+                .stream
+                .reclaim(
+                    &self.claim_cursor,
+                    self.settings.claim_idle,
+                    self.settings.batch,
+                )
+                .await?;
+            self.claim_cursor = next;
+            self.count_lost(
+                lost,
+                "pending entries left the stream before they were processed",
+            );
+            if !entries.is_empty() {
+                self.stats.reclaimed += entries.len() as u64;
+                counter!(m::CONSUMER_RECLAIMED, "group" => self.settings.group.clone())
+                    .increment(entries.len() as u64);
+                let ids: HashSet<&str> = entries.iter().map(|e| e.id.as_str()).collect();
+                self.later
+                    .retain(|l| !ids.contains(l.delivery.stream_id.as_str()));
+                ready.retain(|d| !ids.contains(d.stream_id.as_str()));
+                self.held_until.retain(|id, _| !ids.contains(id.as_str()));
+                batch.extend(entries);
+            }
+        }
+        let room = self
+            .settings
+            .batch
+            .saturating_sub(batch.len() + ready.len());
+        // Entries kept in memory are bounded: with too many waiting, read nothing new.
+        if room > 0 && self.later.len() < self.settings.batch * 10 {
+            let read = self.stream.read_new(room).await?;
+            if read.no_group {
+                tracing::warn!(stream = %self.settings.stream, group = %self.settings.group,
+                    "the stream or the group is gone (was Redis restarted empty?); creating it again");
+                self.ensure_group().await?;
+            }
+            self.last_id = read.last_id;
+            self.count_lost(
+                read.lost,
+                "entries left the stream before the group read them",
+            );
+            gauge!(m::CONSUMER_LAG, "group" => self.settings.group.clone()).set(read.lag as f64);
+            batch.extend(read.entries);
+        }
+        if batch.is_empty() && ready.is_empty() {
+            return Ok(false);
+        }
+        let mut deliveries = ready;
+        deliveries.extend(self.decode(batch).await?);
+        self.process_deliveries(deliveries).await?;
+        Ok(true)
+    }
+
+    /// Decodes entries; one that is not an Outpost event goes to the dead-letter stream at once.
+    async fn decode(&mut self, entries: Vec<RawEntry>) -> Result<Vec<Delivery>, ConsumeError> {
+        let mut deliveries = Vec::with_capacity(entries.len());
+        for e in entries {
+            match Delivery::decode(e.id, e.fields, e.deliveries) {
+                Ok(d) => deliveries.push(d),
+                Err(bad) => {
+                    if self.dead_letter_foreign(&bad).await == Outcome::DeadLettered {
+                        self.stream
+                            .ack(std::slice::from_ref(&bad.stream_id))
+                            .await?;
+                    }
+                }
+            }
+        }
+        Ok(deliveries)
+    }
+
+    async fn dead_letter_foreign(&mut self, bad: &NotAnEvent) -> Outcome {
+        tracing::warn!(stream_id = %bad.stream_id, reason = %bad.reason,
+            "entry is not an Outpost event; moving it to the dead-letter stream");
+        match self
+            .stream
+            .dead_letter(&bad.stream_id, &bad.raw, &bad.to_string(), 1)
+            .await
+        {
+            Ok(_) => {
+                self.note(&Outcome::DeadLettered);
+                Outcome::DeadLettered
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "could not write to the dead-letter stream");
+                Outcome::Retry {
+                    reason: e.to_string(),
+                    counted: false,
+                }
+            }
+        }
+    }
+
+    /// Processes deliveries: aggregates in parallel, each one's in sequence order; then
+    /// acknowledges what is done and keeps the rest for later.
+    async fn process_deliveries(&mut self, deliveries: Vec<Delivery>) -> Result<(), ConsumeError> {
+        let chains = chains(deliveries);
+        let applier = self.applier.clone();
+        let results: Vec<Vec<(Delivery, Outcome)>> = futures::stream::iter(chains)
+            .map(|chain| {
+                let applier = applier.clone();
+                let ids: Vec<Delivery> = chain.clone();
+                async move {
+                    match tokio::spawn(run_chain(applier, chain)).await {
+                        Ok(done) => done,
+                        // Processing itself failed (not the handler, whose panics are caught):
+                        // every entry of the chain is tried again.
+                        Err(e) => ids
+                            .into_iter()
+                            .map(|d| {
+                                let reason = format!("processing failed: {e}");
+                                (
+                                    d,
+                                    Outcome::Retry {
+                                        reason,
+                                        counted: false,
+                                    },
+                                )
+                            })
+                            .collect(),
+                    }
+                }
+            })
+            .buffer_unordered(self.settings.concurrency)
+            .collect()
+            .await;
+        let mut acks = Vec::new();
+        let now = Instant::now();
+        for (d, outcome) in results.into_iter().flatten() {
+            self.note(&outcome);
+            if !matches!(outcome, Outcome::Held { .. }) {
+                self.held_until.remove(&d.stream_id);
+            }
+            match outcome {
+                Outcome::Applied | Outcome::Duplicate | Outcome::DeadLettered => {
+                    acks.push(d.stream_id);
+                }
+                Outcome::Held { .. } => {
+                    let poll = (self.settings.order_wait / 20).max(Duration::from_millis(20));
+                    self.held_until
+                        .entry(d.stream_id.clone())
+                        .or_insert(now + self.settings.order_wait);
+                    self.later.push(Later {
+                        delivery: d,
+                        due: now + poll,
+                        reclaim: false,
+                    });
+                }
+                Outcome::Retry { reason, counted } => {
+                    let wait = retry_wait(self.settings.retry_backoff, d.deliveries)
+                        .min(self.settings.claim_idle);
+                    tracing::debug!(stream_id = %d.stream_id, %reason, ?wait, "retrying later");
+                    self.later.push(Later {
+                        delivery: d,
+                        due: now + wait,
+                        reclaim: counted,
+                    });
+                }
+                Outcome::Killed(point) => return Err(ConsumeError::Fault(point)),
+            }
+        }
+        self.stream.ack(&acks).await
+    }
+
+    fn note(&mut self, outcome: &Outcome) {
+        let group = self.settings.group.clone();
+        let (stat, name) = match outcome {
+            Outcome::Applied => (&mut self.stats.processed, m::CONSUMER_PROCESSED),
+            Outcome::Duplicate => (&mut self.stats.duplicates, m::CONSUMER_DUPLICATES),
+            Outcome::Held { .. } => (&mut self.stats.held, m::CONSUMER_HELD),
+            Outcome::Retry { .. } => (&mut self.stats.retries, m::CONSUMER_RETRIES),
+            Outcome::DeadLettered => (&mut self.stats.dead_lettered, m::CONSUMER_DEAD_LETTERED),
+            Outcome::Killed(_) => return,
+        };
+        *stat += 1;
+        counter!(name, "group" => group).increment(1);
+    }
+
+    fn count_lost(&mut self, lost: u64, what: &str) {
+        if lost == 0 {
+            return;
+        }
+        self.stats.lost += lost;
+        counter!(m::CONSUMER_LOST, "group" => self.settings.group.clone()).increment(lost);
+        tracing::error!(
+            stream = %self.settings.stream, group = %self.settings.group, lost,
+            "{what}: lost for this group (trim only below every group's acknowledged position)"
+        );
+    }
+}
+
+/// Deliveries grouped by aggregate, each group in sequence order (one entry per stream id).
+fn chains(deliveries: Vec<Delivery>) -> Vec<Vec<Delivery>> {
+    let mut seen = HashSet::new();
+    let mut by_aggregate: BTreeMap<(String, String), Vec<Delivery>> = BTreeMap::new();
+    for d in deliveries {
+        if seen.insert(d.stream_id.clone()) {
+            by_aggregate
+                .entry((d.aggregate_type.clone(), d.aggregate_id.clone()))
+                .or_default()
+                .push(d);
+        }
+    }
+    by_aggregate
+        .into_values()
+        .map(|mut chain| {
+            chain.sort_by_key(|d| d.aggregate_seq);
+            chain
+        })
+        .collect()
+}
+
+/// Processes one aggregate's deliveries in order; once one cannot be applied now, the later
+/// ones wait too.
+async fn run_chain<H: Handler>(
+    applier: Arc<Applier<H>>,
+    chain: Vec<Delivery>,
+) -> Vec<(Delivery, Outcome)> {
+    let mut out = Vec::with_capacity(chain.len());
+    let mut blocked = false;
+    for d in chain {
+        let outcome = if blocked {
+            Outcome::Held { expected: None }
+        } else {
+            applier.process(&d).await
+        };
+        blocked = blocked || outcome.blocks_successors();
+        out.push((d, outcome));
+    }
+    out
+}
+
+/// Back-off before the next delivery: `base` doubled per delivery so far, with up to 50% jitter.
+fn retry_wait(base: Duration, deliveries: u32) -> Duration {
+    let exp = base.saturating_mul(1u32 << deliveries.saturating_sub(1).min(16));
+    let jitter = rand::random::<f64>() * 0.5;
+    exp.mul_f64(1.0 + jitter)
+}

@@ -1,0 +1,452 @@
+//! The consumer's Redis side: the group, reads that account for entries lost to trimming,
+//! reclaiming, acknowledging and the dead-letter stream. Never touches the database.
+//!
+//! ## Counting entries lost before they were read
+//! Redis 7.0 trims without regard for consumer groups, and its `entries-read` counter is not
+//! reliable once a stream has been trimmed. The helper keeps its own count instead, in a hash
+//! next to the stream (`<prefix>outpost:consumer:{<stream>}`, same hash slot): `pos:<group>` is
+//! how many of the stream's entries, counted from the first ever added, the group has read or
+//! lost. Each read runs as one script: if more entries have left the stream (`entries-added` −
+//! `length`) than the group has passed, the difference left before the group read it — lost —
+//! and is added to `lost:<group>`; then it reads with `XREADGROUP` and moves `pos` by what it
+//! got. Entries that were read but trimmed while still pending are reported by `XAUTOCLAIM`.
+//! The count is exact when entries leave from the head of the stream (`XTRIM`, `MAXLEN`,
+//! `MINID`); an entry deleted from the middle with `XDEL` is counted when the head passes it.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::streams::{
+    StreamAutoClaimOptions, StreamAutoClaimReply, StreamClaimReply, StreamPendingCountReply,
+};
+use redis::{Client, Script, Value};
+
+use super::{ConsumeError, ConsumerSettings, StartFrom};
+
+/// An entry as read: id, fields, and the group's delivery count.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct RawEntry {
+    pub id: String,
+    pub fields: HashMap<String, Value>,
+    pub deliveries: u32,
+}
+
+/// What one read returned.
+#[derive(Debug, Default)]
+pub(crate) struct Read {
+    pub entries: Vec<RawEntry>,
+    /// Entries found to have left the stream before the group read them.
+    pub lost: u64,
+    /// Entries in the stream the group has not read yet.
+    pub lag: u64,
+    /// The stream's last generated id: a blocking wait looks for anything newer.
+    pub last_id: String,
+    /// The group (or the stream) no longer exists: it must be created again.
+    pub no_group: bool,
+}
+
+/// What creating the group found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct GroupState {
+    /// The group was created now.
+    pub created: bool,
+    /// The helper's count for this group existed already.
+    pub counted: bool,
+    /// Entries that had left the stream before now.
+    pub gone: u64,
+}
+
+const ENSURE_GROUP: &str = r"
+local ok = redis.pcall('XGROUP', 'CREATE', KEYS[1], ARGV[1], ARGV[2], 'MKSTREAM')
+local created = 1
+if type(ok) == 'table' and ok.err then
+  if string.find(ok.err, 'BUSYGROUP', 1, true) then created = 0 else return redis.error_reply(ok.err) end
+end
+local info = redis.call('XINFO', 'STREAM', KEYS[1])
+local added, len = 0, 0
+for i = 1, #info, 2 do
+  if info[i] == 'entries-added' then added = info[i + 1] elseif info[i] == 'length' then len = info[i + 1] end
+end
+local field = 'pos:' .. ARGV[1]
+local had = redis.call('HEXISTS', KEYS[2], field)
+if had == 0 or created == 1 then
+  local pos = added - len
+  if ARGV[2] == '$' then pos = added end
+  redis.call('HSET', KEYS[2], field, pos)
+end
+return {created, had, added - len}
+";
+
+const READ: &str = r"
+if redis.call('EXISTS', KEYS[1]) == 0 then return {-1, 0, '0-0', {}} end
+local info = redis.call('XINFO', 'STREAM', KEYS[1])
+local added, len, last = 0, 0, '0-0'
+for i = 1, #info, 2 do
+  local k = info[i]
+  if k == 'entries-added' then added = info[i + 1]
+  elseif k == 'length' then len = info[i + 1]
+  elseif k == 'last-generated-id' then last = info[i + 1] end
+end
+local field = 'pos:' .. ARGV[1]
+local gone = added - len
+local pos = tonumber(redis.call('HGET', KEYS[2], field) or gone)
+local lost = 0
+if gone > pos then
+  lost = gone - pos
+  pos = gone
+  redis.call('HINCRBY', KEYS[2], 'lost:' .. ARGV[1], lost)
+end
+local r = redis.pcall('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[3], 'STREAMS', KEYS[1], '>')
+if type(r) == 'table' and r.err then
+  if string.find(r.err, 'NOGROUP', 1, true) then return {-1, 0, last, {}} end
+  return redis.error_reply(r.err)
+end
+local entries = {}
+if r then entries = r[1][2] end
+pos = pos + #entries
+redis.call('HSET', KEYS[2], field, pos)
+return {lost, added - pos, last, entries}
+";
+
+/// The consumer's connections and scripts.
+pub(crate) struct GroupStream {
+    conn: ConnectionManager,
+    /// Blocking waits get a connection of their own, so they never hold up acknowledgements or
+    /// dead-letter appends.
+    wait_conn: ConnectionManager,
+    stream: String,
+    state: String,
+    group: String,
+    consumer: String,
+    dead_letter: String,
+    ensure: Script,
+    read: Script,
+}
+
+impl GroupStream {
+    pub async fn connect(s: &ConsumerSettings) -> Result<Self, ConsumeError> {
+        let client = Client::open(s.redis_url.as_str())
+            .map_err(|e| ConsumeError::Settings(format!("redis_url is not usable: {e}")))?;
+        let manager = |timeout: Duration| {
+            ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(s.connect_timeout))
+                .set_response_timeout(Some(timeout))
+                .set_number_of_retries(1)
+                .set_max_delay(Duration::from_millis(500))
+        };
+        let conn = ConnectionManager::new_with_config(client.clone(), manager(s.response_timeout))
+            .await
+            .map_err(ConsumeError::redis)?;
+        let wait_conn =
+            ConnectionManager::new_with_config(client, manager(s.block + s.response_timeout))
+                .await
+                .map_err(ConsumeError::redis)?;
+        Ok(Self {
+            conn,
+            wait_conn,
+            state: format!("{}outpost:consumer:{{{}}}", s.key_prefix, s.stream),
+            stream: s.stream.clone(),
+            group: s.group.clone(),
+            consumer: s.consumer.clone(),
+            dead_letter: s.dead_letter_stream(),
+            ensure: Script::new(ENSURE_GROUP),
+            read: Script::new(READ),
+        })
+    }
+
+    /// Creates the group when it does not exist, reading from `start`.
+    pub async fn ensure_group(&self, start: StartFrom) -> Result<GroupState, ConsumeError> {
+        let from = match start {
+            StartFrom::Beginning => "0",
+            StartFrom::Latest => "$",
+        };
+        let (created, counted, gone): (i64, i64, i64) = self
+            .ensure
+            .key(&self.stream)
+            .key(&self.state)
+            .arg(&self.group)
+            .arg(from)
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(ConsumeError::redis)?;
+        Ok(GroupState {
+            created: created == 1,
+            counted: counted == 1,
+            gone: u64::try_from(gone).unwrap_or(0),
+        })
+    }
+
+    /// Reads up to `count` entries never delivered to the group, counting entries lost before.
+    pub async fn read_new(&self, count: usize) -> Result<Read, ConsumeError> {
+        let reply: Value = self
+            .read
+            .key(&self.stream)
+            .key(&self.state)
+            .arg(&self.group)
+            .arg(&self.consumer)
+            .arg(count)
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(ConsumeError::redis)?;
+        let bad = || ConsumeError::Redis(format!("unexpected reply to the read script: {reply:?}"));
+        let Value::Array(parts) = &reply else {
+            return Err(bad());
+        };
+        let [lost, lag, last, entries] = parts.as_slice() else {
+            return Err(bad());
+        };
+        let (Value::Int(lost), Value::Int(lag)) = (lost, lag) else {
+            return Err(bad());
+        };
+        let last_id: String = redis::from_redis_value_ref(last).map_err(|_| bad())?;
+        if *lost < 0 {
+            return Ok(Read {
+                no_group: true,
+                last_id,
+                ..Read::default()
+            });
+        }
+        Ok(Read {
+            entries: parse_entries(entries, 1).ok_or_else(bad)?,
+            lost: u64::try_from(*lost).unwrap_or(0),
+            lag: u64::try_from(*lag).unwrap_or(0),
+            last_id,
+            no_group: false,
+        })
+    }
+
+    /// Waits up to `timeout` for an entry newer than `last_id` to arrive (without reading it).
+    pub async fn wait_for_new(&self, last_id: &str, timeout: Duration) -> Result<(), ConsumeError> {
+        let ms = u64::try_from(timeout.as_millis())
+            .unwrap_or(u64::MAX)
+            .max(1);
+        redis::cmd("XREAD")
+            .arg("COUNT")
+            .arg(1)
+            .arg("BLOCK")
+            .arg(ms)
+            .arg("STREAMS")
+            .arg(&self.stream)
+            .arg(last_id)
+            .query_async::<Value>(&mut self.wait_conn.clone())
+            .await
+            .map_err(ConsumeError::redis)?;
+        Ok(())
+    }
+
+    /// Claims, for this consumer, up to `count` entries idle for at least `min_idle` from any
+    /// member, scanning from `cursor`. Returns the next cursor (`0-0` after a full pass), the
+    /// entries with their delivery counts, and how many pending entries had left the stream.
+    pub async fn reclaim(
+        &self,
+        cursor: &str,
+        min_idle: Duration,
+        count: usize,
+    ) -> Result<(String, Vec<RawEntry>, u64), ConsumeError> {
+        let mut c = self.conn.clone();
+        let reply: StreamAutoClaimReply = redis::cmd("XAUTOCLAIM")
+            .arg(&self.stream)
+            .arg(&self.group)
+            .arg(&self.consumer)
+            .arg(millis(min_idle))
+            .arg(cursor)
+            .arg(StreamAutoClaimOptions::default().count(count))
+            .query_async(&mut c)
+            .await
+            .map_err(ConsumeError::redis)?;
+        let lost = reply.deleted_ids.len() as u64;
+        if lost > 0 {
+            self.count_lost(lost).await?;
+        }
+        let entries = self
+            .with_counts(reply.claimed.into_iter().map(|s| (s.id, s.map)).collect())
+            .await?;
+        Ok((reply.next_stream_id, entries, lost))
+    }
+
+    /// Entries pending for this very consumer name (left by an earlier run), claimed again.
+    pub async fn own_pending(&self, count: usize) -> Result<Vec<RawEntry>, ConsumeError> {
+        let mut c = self.conn.clone();
+        let pending: StreamPendingCountReply = redis::cmd("XPENDING")
+            .arg(&self.stream)
+            .arg(&self.group)
+            .arg("-")
+            .arg("+")
+            .arg(count)
+            .arg(&self.consumer)
+            .query_async(&mut c)
+            .await
+            .map_err(ConsumeError::redis)?;
+        let ids: Vec<String> = pending.ids.into_iter().map(|p| p.id).collect();
+        self.claim(&ids).await
+    }
+
+    /// Delivers `ids` to this consumer again (their delivery counts go up by one). Entries that
+    /// were acknowledged meanwhile, or left the stream, are not returned.
+    pub async fn claim(&self, ids: &[String]) -> Result<Vec<RawEntry>, ConsumeError> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut c = self.conn.clone();
+        let reply: StreamClaimReply = redis::cmd("XCLAIM")
+            .arg(&self.stream)
+            .arg(&self.group)
+            .arg(&self.consumer)
+            .arg(0)
+            .arg(ids)
+            .query_async(&mut c)
+            .await
+            .map_err(ConsumeError::redis)?;
+        self.with_counts(reply.ids.into_iter().map(|s| (s.id, s.map)).collect())
+            .await
+    }
+
+    /// Adds the group's delivery counts to claimed entries.
+    async fn with_counts(
+        &self,
+        claimed: Vec<(String, HashMap<String, Value>)>,
+    ) -> Result<Vec<RawEntry>, ConsumeError> {
+        if claimed.is_empty() {
+            return Ok(Vec::new());
+        }
+        // One exact-range XPENDING per entry, pipelined: a range over all of them would also
+        // list this member's other pending entries and could cut some of these off.
+        let mut pipe = redis::pipe();
+        for (id, _) in &claimed {
+            pipe.cmd("XPENDING")
+                .arg(&self.stream)
+                .arg(&self.group)
+                .arg(id)
+                .arg(id)
+                .arg(1)
+                .arg(&self.consumer);
+        }
+        let replies: Vec<StreamPendingCountReply> = pipe
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(ConsumeError::redis)?;
+        let counts: HashMap<String, usize> = replies
+            .into_iter()
+            .flat_map(|r| r.ids)
+            .map(|p| (p.id, p.times_delivered))
+            .collect();
+        Ok(claimed
+            .into_iter()
+            .map(|(id, fields)| RawEntry {
+                deliveries: counts
+                    .get(&id)
+                    .map_or(1, |n| u32::try_from(*n).unwrap_or(u32::MAX)),
+                id,
+                fields,
+            })
+            .collect())
+    }
+
+    /// Acknowledges `ids` for the group.
+    pub async fn ack(&self, ids: &[String]) -> Result<(), ConsumeError> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        redis::cmd("XACK")
+            .arg(&self.stream)
+            .arg(&self.group)
+            .arg(ids)
+            .query_async::<i64>(&mut self.conn.clone())
+            .await
+            .map_err(ConsumeError::redis)?;
+        Ok(())
+    }
+
+    /// Appends an entry's original fields to the dead-letter stream, with why and where it came
+    /// from (`dead_*` fields). Returns the new entry's id.
+    pub async fn dead_letter(
+        &self,
+        stream_id: &str,
+        raw: &[(String, Vec<u8>)],
+        reason: &str,
+        deliveries: u32,
+    ) -> Result<String, ConsumeError> {
+        let mut cmd = redis::cmd("XADD");
+        cmd.arg(&self.dead_letter).arg("*");
+        for (k, v) in raw {
+            cmd.arg(k).arg(v.as_slice());
+        }
+        cmd.arg("dead_reason")
+            .arg(reason)
+            .arg("dead_stream")
+            .arg(&self.stream)
+            .arg("dead_stream_id")
+            .arg(stream_id)
+            .arg("dead_group")
+            .arg(&self.group)
+            .arg("dead_consumer")
+            .arg(&self.consumer)
+            .arg("dead_deliveries")
+            .arg(deliveries)
+            .arg("dead_at")
+            .arg(chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true));
+        cmd.query_async(&mut self.conn.clone())
+            .await
+            .map_err(ConsumeError::redis)
+    }
+
+    /// Adds to the group's count of lost entries.
+    async fn count_lost(&self, n: u64) -> Result<(), ConsumeError> {
+        redis::cmd("HINCRBY")
+            .arg(&self.state)
+            .arg(format!("lost:{}", self.group))
+            .arg(n)
+            .query_async::<i64>(&mut self.conn.clone())
+            .await
+            .map_err(ConsumeError::redis)?;
+        Ok(())
+    }
+
+    /// The group's count of entries lost so far, by every member.
+    pub async fn lost_total(&self) -> Result<u64, ConsumeError> {
+        let n: Option<u64> = redis::cmd("HGET")
+            .arg(&self.state)
+            .arg(format!("lost:{}", self.group))
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(ConsumeError::redis)?;
+        Ok(n.unwrap_or(0))
+    }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// Parses `[[id, [field, value, …]], …]`.
+fn parse_entries(v: &Value, deliveries: u32) -> Option<Vec<RawEntry>> {
+    let Value::Array(items) = v else {
+        return None;
+    };
+    items
+        .iter()
+        .map(|item| {
+            let Value::Array(pair) = item else {
+                return None;
+            };
+            let [id, fields] = pair.as_slice() else {
+                return None;
+            };
+            let id: String = redis::from_redis_value_ref(id).ok()?;
+            let Value::Array(kv) = fields else {
+                return None;
+            };
+            let mut map = HashMap::with_capacity(kv.len() / 2);
+            for chunk in kv.chunks_exact(2) {
+                let key: String = redis::from_redis_value_ref(&chunk[0]).ok()?;
+                map.insert(key, chunk[1].clone());
+            }
+            Some(RawEntry {
+                id,
+                fields: map,
+                deliveries,
+            })
+        })
+        .collect()
+}

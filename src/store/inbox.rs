@@ -1,0 +1,136 @@
+//! The consumer side: a consumer group's position per aggregate and its inbox of processed event
+//! ids. Every function here runs on the caller's own transaction (the one the handler writes
+//! its effects in), so the effect, the inbox row and the new position commit together.
+
+use sea_orm::ConnectionTrait;
+use uuid::Uuid;
+
+use super::{DbErrorKind, StoreError, classify, stmt};
+
+/// Where a consumer group stands in one aggregate, read under the position's row lock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InboxPosition {
+    /// The last sequence the group applied or dead-lettered (0 before the first).
+    pub last_seq: i64,
+    /// The event id is already in the group's inbox.
+    pub seen: bool,
+}
+
+/// What became of a processed event, kept in the inbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InboxOutcome {
+    /// The handler applied it.
+    Applied,
+    /// It went to the dead-letter stream; the aggregate moves past it.
+    DeadLettered,
+}
+
+impl InboxOutcome {
+    fn as_str(self) -> &'static str {
+        match self {
+            InboxOutcome::Applied => "applied",
+            InboxOutcome::DeadLettered => "dead_lettered",
+        }
+    }
+}
+
+/// Locks the group's position in the aggregate (creating it at 0 on first sight) for the rest of
+/// the transaction, and says where it stands and whether `event_id` was processed already.
+///
+/// The lock is what keeps two members of a group from applying one aggregate at once: the second
+/// waits, then reads the position the first committed.
+pub async fn lock_position<C: ConnectionTrait>(
+    txn: &C,
+    group: &str,
+    aggregate_type: &str,
+    aggregate_id: &str,
+    event_id: Uuid,
+) -> Result<InboxPosition, StoreError> {
+    let row = txn
+        .query_one_raw(stmt(
+            "WITH pos AS ( \
+               INSERT INTO outpost_consumer_position AS p \
+                 (consumer_group, aggregate_type, aggregate_id) VALUES ($1, $2, $3) \
+               ON CONFLICT (consumer_group, aggregate_type, aggregate_id) \
+               DO UPDATE SET last_seq = p.last_seq RETURNING p.last_seq) \
+             SELECT pos.last_seq, EXISTS (SELECT 1 FROM outpost_inbox \
+                                          WHERE consumer_group = $1 AND event_id = $4) \
+             FROM pos",
+            [
+                group.into(),
+                aggregate_type.into(),
+                aggregate_id.into(),
+                event_id.into(),
+            ],
+        ))
+        .await
+        .map_err(StoreError::from_db)?
+        .ok_or_else(|| StoreError::Corrupt("consumer position upsert returned no row".into()))?;
+    Ok(InboxPosition {
+        last_seq: row.try_get_by_index(0).map_err(StoreError::from_db)?,
+        seen: row.try_get_by_index(1).map_err(StoreError::from_db)?,
+    })
+}
+
+/// Records `event_id` in the group's inbox and moves the group's position in the aggregate to
+/// `seq`, in the caller's transaction (after [`lock_position`]). Returns `false` when the event
+/// id was in the inbox already (a duplicate raced in): the caller must roll back.
+#[allow(clippy::too_many_arguments)]
+pub async fn record_processed<C: ConnectionTrait>(
+    txn: &C,
+    group: &str,
+    aggregate_type: &str,
+    aggregate_id: &str,
+    seq: i64,
+    event_id: Uuid,
+    outcome: InboxOutcome,
+) -> Result<bool, StoreError> {
+    let res = txn
+        .execute_raw(stmt(
+            "WITH inbox AS (INSERT INTO outpost_inbox (consumer_group, event_id, outcome) \
+                            VALUES ($1, $5, $6)) \
+             UPDATE outpost_consumer_position SET last_seq = greatest(last_seq, $4), \
+                    updated_at = now() \
+             WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3",
+            [
+                group.into(),
+                aggregate_type.into(),
+                aggregate_id.into(),
+                seq.into(),
+                event_id.into(),
+                outcome.as_str().into(),
+            ],
+        ))
+        .await;
+    match res {
+        Ok(_) => Ok(true),
+        Err(e) => match classify(&e) {
+            DbErrorKind::UniqueViolation(_) => Ok(false),
+            _ => Err(StoreError::from_db(e)),
+        },
+    }
+}
+
+/// The group's position in every aggregate it has seen, for checks and tools: `(aggregate type,
+/// aggregate id, last sequence)`.
+pub async fn positions<C: ConnectionTrait>(
+    conn: &C,
+    group: &str,
+) -> Result<Vec<(String, String, i64)>, StoreError> {
+    conn.query_all_raw(stmt(
+        "SELECT aggregate_type, aggregate_id, last_seq FROM outpost_consumer_position \
+         WHERE consumer_group = $1 ORDER BY aggregate_type, aggregate_id",
+        [group.into()],
+    ))
+    .await
+    .map_err(StoreError::from_db)?
+    .into_iter()
+    .map(|r| {
+        Ok((
+            r.try_get_by_index(0).map_err(StoreError::from_db)?,
+            r.try_get_by_index(1).map_err(StoreError::from_db)?,
+            r.try_get_by_index(2).map_err(StoreError::from_db)?,
+        ))
+    })
+    .collect()
+}

@@ -1,0 +1,283 @@
+//! The consumer helpers against real PostgreSQL and Redis: once-only effects in sequence order
+//! per aggregate, dead letters, and entries lost to trimming.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::collections::BTreeMap;
+
+use outpost::consume::{Consumer, StartFrom};
+use support::consumer::{
+    Ev, Running, append, applied, check, create_effects, pending, recorder, settings,
+};
+use support::{TestDb, TestRedis, wait_until};
+
+/// Every aggregate's sequences 1..=n.
+fn expected(aggregates: usize, n: i64) -> BTreeMap<String, Vec<i64>> {
+    (0..aggregates)
+        .map(|a| (format!("a{a}"), (1..=n).collect()))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_members_apply_each_event_once_in_order_despite_duplicates_and_replays() {
+    let (db, redis) = (TestDb::new().await, TestRedis::new());
+    create_effects(&db).await;
+    let stream = format!("{}events:order", redis.prefix);
+    let mut conn = redis.conn().await;
+    const AGGREGATES: usize = 100;
+    const EVENTS: i64 = 10;
+    let events: Vec<Vec<Ev>> = (0..AGGREGATES)
+        .map(|a| {
+            (1..=EVENTS)
+                .map(|s| Ev::new(&format!("a{a}"), s, "order.changed"))
+                .collect()
+        })
+        .collect();
+    // Interleave the aggregates as concurrent producers would; inject a duplicate of every
+    // seventh event right after it, and a replay of each tenth aggregate's first half later on.
+    let mut entries = Vec::new();
+    for s in 0..EVENTS as usize {
+        for (a, evs) in events.iter().enumerate() {
+            entries.push(evs[s].clone());
+            if (a + s) % 7 == 0 {
+                entries.push(evs[s].clone());
+            }
+            if s == 8 && a % 10 == 0 {
+                entries.extend(evs[..5].iter().cloned());
+            }
+        }
+    }
+    // One aggregate's events arrive out of order (a replay put 2 before 1): 2 waits for 1.
+    entries.push(Ev::new("late", 2, "order.changed"));
+    entries.push(Ev::new("late", 1, "order.changed"));
+    let total = entries.len();
+    assert!(total > AGGREGATES * EVENTS as usize + 100);
+
+    let a = Running::start(
+        settings(&redis, &stream, "billing", "m1"),
+        &db,
+        recorder("m1"),
+    )
+    .await;
+    let b = Running::start(
+        settings(&redis, &stream, "billing", "m2"),
+        &db,
+        recorder("m2"),
+    )
+    .await;
+    for chunk in entries.chunks(97) {
+        append(&mut conn, &stream, chunk).await;
+    }
+    let want = AGGREGATES as i64 * EVENTS + 2;
+    wait_until(60, "every event applied", || async {
+        applied(&db).await >= want
+    })
+    .await;
+    wait_until(30, "every entry acknowledged", || async {
+        pending(&mut redis.conn().await, &stream, "billing").await == 0
+    })
+    .await;
+    let (sa, sb) = (a.stop().await, b.stop().await);
+
+    let mut want_map = expected(AGGREGATES, EVENTS);
+    want_map.insert("late".into(), vec![1, 2]);
+    let result = check(&db, &want_map).await;
+    assert!(result.is_clean(), "{result:?}");
+    assert_eq!(result.applied as i64, want);
+    assert!(
+        sa.processed > 0 && sb.processed > 0,
+        "both members worked: {sa:?} {sb:?}"
+    );
+    assert_eq!(sa.processed + sb.processed, want as u64);
+    assert_eq!(
+        (sa.processed + sa.duplicates + sb.processed + sb.duplicates) as usize,
+        total,
+        "every entry was either applied or skipped as a duplicate"
+    );
+    assert!(sa.held + sb.held > 0, "the out-of-order event was held");
+    assert_eq!(sa.lost + sb.lost, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn failing_events_go_to_the_dead_letter_stream_and_everything_else_flows() {
+    let (db, redis) = (TestDb::new().await, TestRedis::new());
+    create_effects(&db).await;
+    let stream = format!("{}events:order", redis.prefix);
+    let mut conn = redis.conn().await;
+    // Every aggregate: changed, flagged (refused permanently), changed, audited (always asks
+    // for a retry), changed.
+    let types = [
+        "order.changed",
+        "order.flagged",
+        "order.changed",
+        "order.audited",
+        "order.changed",
+    ];
+    let mut entries = Vec::new();
+    for a in 0..20 {
+        for (i, t) in types.iter().enumerate() {
+            entries.push(Ev::new(&format!("a{a}"), i as i64 + 1, t));
+        }
+    }
+    append(&mut conn, &stream, &entries).await;
+    // And an entry that is not an Outpost event at all.
+    let _: String = redis::cmd("XADD")
+        .arg(&stream)
+        .arg("*")
+        .arg("hello")
+        .arg("world")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+
+    let mut s = settings(&redis, &stream, "shipping", "m1");
+    s.max_deliveries = 3;
+    let mut handler = recorder("m1");
+    handler.permanent.insert("order.flagged".into());
+    handler.retry.insert("order.audited".into());
+    let running = Running::start(s, &db, handler).await;
+    let dead = format!("{stream}:dead");
+    wait_until(60, "failing events dead-lettered", || async {
+        let n: i64 = redis::cmd("XLEN")
+            .arg(&dead)
+            .query_async(&mut redis.conn().await)
+            .await
+            .unwrap();
+        n == 41
+    })
+    .await;
+    wait_until(30, "everything else applied", || async {
+        applied(&db).await == 60
+    })
+    .await;
+    let stats = running.stop().await;
+    assert_eq!(stats.dead_lettered, 41);
+    assert_eq!(stats.processed, 60);
+
+    let want: BTreeMap<String, Vec<i64>> =
+        (0..20).map(|a| (format!("a{a}"), vec![1, 3, 5])).collect();
+    let result = check(&db, &want).await;
+    assert!(result.is_clean(), "{result:?}");
+    assert_eq!(result.applied, 60, "no refused event was applied");
+
+    // The dead letters keep the original fields and say why, and after how many deliveries.
+    let reply: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+        .arg(&dead)
+        .arg("-")
+        .arg("+")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let field = |e: &redis::streams::StreamId, k: &str| -> String {
+        e.get::<String>(k).unwrap_or_default()
+    };
+    let flagged: Vec<_> = reply
+        .ids
+        .iter()
+        .filter(|e| field(e, "ce_type") == "order.flagged")
+        .collect();
+    assert_eq!(flagged.len(), 20);
+    assert!(
+        flagged
+            .iter()
+            .all(|e| field(e, "dead_reason") == "this type is refused"
+                && field(e, "dead_deliveries") == "1"
+                && field(e, "dead_group") == "shipping"
+                && !field(e, "ce_id").is_empty()
+                && !field(e, "dead_stream_id").is_empty())
+    );
+    let audited: Vec<_> = reply
+        .ids
+        .iter()
+        .filter(|e| field(e, "ce_type") == "order.audited")
+        .collect();
+    assert_eq!(audited.len(), 20);
+    assert!(audited.iter().all(|e| field(e, "dead_deliveries") == "3"
+        && field(e, "dead_reason").contains("a dependency is down")));
+    let foreign: Vec<_> = reply
+        .ids
+        .iter()
+        .filter(|e| field(e, "hello") == "world")
+        .collect();
+    assert_eq!(foreign.len(), 1);
+    assert!(field(foreign[0], "dead_reason").contains("not an Outpost event"));
+    // The inbox says what became of each.
+    let dead_in_inbox = support::scalar(
+        &db,
+        "SELECT count(*) FROM outpost_inbox WHERE consumer_group = 'shipping' \
+         AND outcome = 'dead_lettered'",
+    )
+    .await;
+    assert_eq!(dead_in_inbox, 40);
+    assert_eq!(pending(&mut conn, &stream, "shipping").await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn entries_trimmed_before_the_group_read_them_are_reported_as_lost() {
+    let (db, redis) = (TestDb::new().await, TestRedis::new());
+    create_effects(&db).await;
+    let stream = format!("{}events:order", redis.prefix);
+    let mut conn = redis.conn().await;
+    // The group exists (created by the helper) before anything is written.
+    let s = settings(&redis, &stream, "audit", "m1");
+    let consumer = Consumer::connect(s.clone(), db.store.connection().clone(), recorder("m1"))
+        .await
+        .unwrap();
+    assert_eq!(s.start, StartFrom::Beginning);
+    let events: Vec<Ev> = (1..=50)
+        .map(|i| Ev::new(&format!("a{i}"), 1, "order.changed"))
+        .collect();
+    append(&mut conn, &stream, &events).await;
+    // A member reads the first five, hangs in its handler and dies without acknowledging them.
+    let mut ghost_settings = settings(&redis, &stream, "audit", "ghost");
+    ghost_settings.batch = 5;
+    let mut ghost_handler = recorder("ghost");
+    ghost_handler.hang = true;
+    let ghost = Consumer::connect(ghost_settings, db.store.connection().clone(), ghost_handler)
+        .await
+        .unwrap();
+    let ghost = tokio::spawn(ghost.run_until(std::future::pending()));
+    wait_until(30, "the ghost to hold five entries", || async {
+        pending(&mut redis.conn().await, &stream, "audit").await == 5
+    })
+    .await;
+    ghost.abort();
+    // Then an unsafe trim keeps only the last 20: 5 pending and 25 unread entries are gone.
+    let _: i64 = redis::cmd("XTRIM")
+        .arg(&stream)
+        .arg("MAXLEN")
+        .arg(20)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+
+    let (stop, rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(consumer.run_until(async move {
+        let _ = rx.await;
+    }));
+    wait_until(30, "the remaining entries applied", || async {
+        applied(&db).await == 20
+    })
+    .await;
+    // The ghost's entries are reclaimed after claim_idle and found gone.
+    let lost_key = format!("{}outpost:consumer:{{{stream}}}", redis.prefix);
+    wait_until(30, "every lost entry counted", || async {
+        let n: Option<i64> = redis::cmd("HGET")
+            .arg(&lost_key)
+            .arg("lost:audit")
+            .query_async(&mut redis.conn().await)
+            .await
+            .unwrap();
+        n == Some(30)
+    })
+    .await;
+    let _ = stop.send(());
+    let stats = task.await.unwrap().unwrap();
+    assert_eq!(stats.lost, 30, "{stats:?}");
+    assert_eq!(stats.processed, 20);
+    let want: BTreeMap<String, Vec<i64>> = (31..=50).map(|i| (format!("a{i}"), vec![1])).collect();
+    assert!(check(&db, &want).await.is_clean());
+    assert_eq!(pending(&mut conn, &stream, "audit").await, 0);
+}
