@@ -217,7 +217,7 @@ mod tests {
         assert!(err.reason.contains("ce_aggregateseq"), "{err}");
         assert_eq!(
             err.raw.len(),
-            11,
+            12,
             "every field kept for the dead-letter stream"
         );
 
