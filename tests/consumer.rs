@@ -281,3 +281,77 @@ async fn entries_trimmed_before_the_group_read_them_are_reported_as_lost() {
     assert!(check(&db, &want).await.is_clean());
     assert_eq!(pending(&mut conn, &stream, "audit").await, 0);
 }
+
+/// Runs `outpost tail` with the test's Redis and key prefix; returns its stdout.
+fn tail(redis: &TestRedis, args: &[&str]) -> String {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_outpost"))
+        .arg("--set")
+        .arg(format!("redis.url={}", support::redis_url()))
+        .arg("--set")
+        .arg(format!("redis.key_prefix={}", redis.prefix))
+        .arg("tail")
+        .args(args)
+        .current_dir(std::env::temp_dir())
+        .env_remove("OUTPOST_DATABASE__URL")
+        .output()
+        .expect("run outpost tail");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("utf-8")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tail_prints_entries_decoded_and_as_a_group_member_acknowledges_them() {
+    let redis = TestRedis::new();
+    let stream = format!("{}events:order", redis.prefix);
+    let mut conn = redis.conn().await;
+    let events: Vec<Ev> = (1..=3).map(|s| Ev::new("a1", s, "order.changed")).collect();
+    append(&mut conn, &stream, &events).await;
+    let _: String = redis::cmd("XADD")
+        .arg(&stream)
+        .arg("*")
+        .arg("hello")
+        .arg("world")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+
+    let text = tail(&redis, &["events:order", "--from", "0", "--no-follow"]);
+    for s in 1..=3 {
+        assert!(
+            text.contains(&format!("order.changed  order/a1 #{s}")),
+            "{text}"
+        );
+        assert!(text.contains(&format!("\"seq\": {s}")), "{text}");
+    }
+    assert!(text.contains("not an Outpost event"), "{text}");
+
+    let json = tail(
+        &redis,
+        &[
+            "events:order",
+            "--group",
+            "tailers",
+            "--from",
+            "0",
+            "--count",
+            "2",
+            "--json",
+        ],
+    );
+    let lines: Vec<serde_json::Value> = json
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("one JSON object per line"))
+        .collect();
+    assert_eq!(lines.len(), 2);
+    assert_eq!(lines[0]["aggregate_seq"], 1);
+    assert_eq!(lines[1]["event_id"], events[1].event_id.to_string());
+    assert_eq!(
+        pending(&mut conn, &stream, "tailers").await,
+        0,
+        "what it printed is acknowledged"
+    );
+}

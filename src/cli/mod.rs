@@ -9,6 +9,7 @@ mod pause;
 mod produce;
 mod run;
 mod status;
+mod tail;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -62,6 +63,8 @@ pub enum Command {
     Status(status::StatusArgs),
     /// Write load through the real producer API.
     Produce(produce::ProduceArgs),
+    /// Print a stream's entries as they arrive, decoded.
+    Tail(tail::TailArgs),
     /// Benchmarks (results belong in docs/benchmarks.md).
     Bench {
         #[command(subcommand)]
@@ -105,6 +108,7 @@ pub fn main() -> ExitCode {
             Command::Pause(args) => pause::run(&config, args, true).await,
             Command::Resume(args) => pause::run(&config, args, false).await,
             Command::Produce(args) => produce::run(&config, args).await,
+            Command::Tail(args) => tail::run(&config, args).await,
             Command::Bench { which } => bench::run(&config, which).await,
             Command::Config { .. } => Ok(()),
         }

@@ -26,7 +26,7 @@ mod apply;
 mod delivery;
 mod error;
 mod handler;
-mod stream;
+pub(crate) mod stream;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
@@ -223,11 +223,10 @@ impl ConsumerSettings {
 }
 
 fn default_consumer_name() -> String {
-    let host = std::fs::read_to_string("/etc/hostname")
-        .ok()
-        .map(|h| h.trim().to_owned())
-        .filter(|h| !h.is_empty() && !h.chars().any(char::is_whitespace))
-        .unwrap_or_else(|| "consumer".to_owned());
+    let host: String = crate::dispatch::node::hostname()
+        .chars()
+        .filter(|c| !c.is_whitespace() && !c.is_control())
+        .collect();
     format!("{host}-{}", std::process::id())
 }
 
