@@ -23,6 +23,9 @@ pub enum BenchCommand {
     /// Relay drain throughput against a bare relay loop, commit-to-stream latency under steady
     /// load, and the cost of an idle node.
     Relay(super::bench_relay::RelayBench),
+    /// Consumer helper throughput with the inbox in PostgreSQL, one and two members, against a
+    /// bare consumer loop.
+    Consumer(super::bench_consumer::ConsumerBench),
 }
 
 /// Options of `outpost bench producer`.
@@ -52,6 +55,7 @@ pub(super) async fn run(config: &Config, which: BenchCommand) -> anyhow::Result<
     match which {
         BenchCommand::Producer(args) => producer(config, args).await,
         BenchCommand::Relay(args) => super::bench_relay::run(config, args).await,
+        BenchCommand::Consumer(args) => super::bench_consumer::run(config, args).await,
     }
 }
 

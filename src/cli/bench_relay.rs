@@ -806,7 +806,7 @@ fn print_usage(u: &Usage, events: u64) {
 
 /// Clock ticks per second of `/proc/*/stat` times (`getconf CLK_TCK`; 100 on every common
 /// Linux platform when it cannot be asked).
-fn clk_tck() -> f64 {
+pub(super) fn clk_tck() -> f64 {
     std::process::Command::new("getconf")
         .arg("CLK_TCK")
         .output()
@@ -833,7 +833,7 @@ fn proc_stat(path: &str) -> Option<(String, Vec<u64>)> {
 }
 
 /// utime (field 14) + stime (15) of this process, all threads included.
-fn self_cpu_ticks() -> Option<u64> {
+pub(super) fn self_cpu_ticks() -> Option<u64> {
     let (_, f) = proc_stat("/proc/self/stat")?;
     Some(f.get(11)? + f.get(12)?)
 }
@@ -841,7 +841,7 @@ fn self_cpu_ticks() -> Option<u64> {
 /// (processes, ticks): utime + stime + cutime + cstime (fields 14-17) of every process named
 /// `postgres`. The postmaster's child times hold the backends that exited, so a backend ending
 /// between two readings does not take its CPU time with it.
-fn postgres_cpu_ticks() -> Option<(usize, u64)> {
+pub(super) fn postgres_cpu_ticks() -> Option<(usize, u64)> {
     let mut n = 0;
     let mut ticks = 0;
     for entry in std::fs::read_dir("/proc").ok()?.flatten() {
@@ -886,7 +886,7 @@ fn mib(kib: Option<u64>) -> String {
     })
 }
 
-fn cpu_model() -> String {
+pub(super) fn cpu_model() -> String {
     std::fs::read_to_string("/proc/cpuinfo")
         .ok()
         .and_then(|t| {
@@ -899,7 +899,7 @@ fn cpu_model() -> String {
 }
 
 /// The command line as typed, quoted where a shell would need it.
-fn command_line() -> String {
+pub(super) fn command_line() -> String {
     std::env::args()
         .map(|a| {
             let plain = !a.is_empty()
@@ -918,7 +918,7 @@ fn command_line() -> String {
 // -------------------------------------------------------------------------------------------
 // Redis
 
-async fn redis_conn(client: &redis::Client) -> anyhow::Result<MultiplexedConnection> {
+pub(super) async fn redis_conn(client: &redis::Client) -> anyhow::Result<MultiplexedConnection> {
     let config =
         redis::AsyncConnectionConfig::new().set_response_timeout(Some(Duration::from_secs(60)));
     client
@@ -928,12 +928,15 @@ async fn redis_conn(client: &redis::Client) -> anyhow::Result<MultiplexedConnect
 }
 
 /// The text of `INFO <section>`.
-async fn info(conn: &mut MultiplexedConnection, section: &str) -> anyhow::Result<String> {
+pub(super) async fn info(
+    conn: &mut MultiplexedConnection,
+    section: &str,
+) -> anyhow::Result<String> {
     Ok(redis::cmd("INFO").arg(section).query_async(conn).await?)
 }
 
 /// One `field:value` line of an `INFO` text.
-fn info_field<'a>(info: &'a str, field: &str) -> Option<&'a str> {
+pub(super) fn info_field<'a>(info: &'a str, field: &str) -> Option<&'a str> {
     info.lines()
         .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
         .map(str::trim)
@@ -976,7 +979,10 @@ async fn stream_entries(conn: &mut MultiplexedConnection, pattern: &str) -> anyh
 }
 
 /// Deletes every key under `prefix` (SCAN + DEL).
-async fn delete_prefix_keys(conn: &mut MultiplexedConnection, prefix: &str) -> anyhow::Result<()> {
+pub(super) async fn delete_prefix_keys(
+    conn: &mut MultiplexedConnection,
+    prefix: &str,
+) -> anyhow::Result<()> {
     let keys = scan_keys(conn, &format!("{prefix}*")).await?;
     for chunk in keys.chunks(500) {
         let _: u64 = redis::cmd("DEL").arg(chunk).query_async(conn).await?;

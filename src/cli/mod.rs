@@ -2,6 +2,7 @@
 //! printed once, and decide the exit code.
 
 mod bench;
+mod bench_consumer;
 mod bench_relay;
 mod config_cmd;
 mod migrate;

@@ -299,3 +299,54 @@ impl Store {
         row.try_get_by_index(0).map_err(StoreError::from_db)
     }
 }
+
+/// `outpost bench consumer`: a projection the benchmark's handler keeps, as a typical consumer
+/// would (one upsert per event).
+impl Store {
+    /// Creates (or empties) the projection and the consumer helper's tables.
+    pub async fn reset_consumer_bench(&self) -> Result<(), StoreError> {
+        self.connection()
+            .execute_unprepared(
+                "CREATE TABLE IF NOT EXISTS bench_projection ( \
+                   aggregate_id text PRIMARY KEY, last_seq bigint NOT NULL, \
+                   events bigint NOT NULL, last_payload text NOT NULL); \
+                 TRUNCATE bench_projection, outpost_inbox, outpost_consumer_position;",
+            )
+            .await
+            .map_err(StoreError::from_db)?;
+        Ok(())
+    }
+
+    /// Events applied to the projection so far.
+    pub async fn consumer_bench_applied(&self) -> Result<i64, StoreError> {
+        let row = self
+            .connection()
+            .query_one_raw(super::stmt(
+                "SELECT coalesce(sum(events), 0)::int8 FROM bench_projection",
+                [],
+            ))
+            .await
+            .map_err(StoreError::from_db)?
+            .ok_or_else(|| StoreError::Corrupt("sum returned no row".into()))?;
+        row.try_get_by_index(0).map_err(StoreError::from_db)
+    }
+}
+
+/// The benchmark handler's one statement, on the caller's transaction.
+pub async fn apply_to_projection<C: ConnectionTrait>(
+    txn: &C,
+    aggregate_id: &str,
+    seq: i64,
+    payload: &str,
+) -> Result<(), StoreError> {
+    txn.execute_raw(super::stmt(
+        "INSERT INTO bench_projection AS p (aggregate_id, last_seq, events, last_payload) \
+         VALUES ($1, $2, 1, $3) \
+         ON CONFLICT (aggregate_id) DO UPDATE SET last_seq = $2, events = p.events + 1, \
+           last_payload = $3",
+        [aggregate_id.into(), seq.into(), payload.into()],
+    ))
+    .await
+    .map_err(StoreError::from_db)?;
+    Ok(())
+}

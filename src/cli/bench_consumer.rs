@@ -1,0 +1,330 @@
+//! `outpost bench consumer`: how fast the consumer helpers apply a stream's events with the inbox
+//! and positions in PostgreSQL, with one and with two group members, against a bare consumer
+//! loop that applies the same statement per event without any of the helper's guarantees.
+//!
+//! Works in a scratch database `outpost_bench_consumer` (dropped and created at the start,
+//! dropped at the end) and under a Redis key prefix of its own. Consumers run in this process.
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Args;
+use redis::aio::MultiplexedConnection;
+use sea_orm::{DatabaseTransaction, TransactionTrait};
+
+use super::bench_relay::{
+    clk_tck, command_line, cpu_model, delete_prefix_keys, info, info_field, postgres_cpu_ticks,
+    redis_conn, self_cpu_ticks,
+};
+use crate::config::Config;
+use crate::consume::{Consumer, ConsumerSettings, Delivery, Handler, HandlerError};
+use crate::publish::{Message, entry_fields};
+use crate::store::bench::apply_to_projection;
+use crate::store::{self, ConnectSettings, Store, admin};
+
+const DB_NAME: &str = "outpost_bench_consumer";
+
+/// Options of `outpost bench consumer`.
+#[derive(Debug, Args)]
+pub struct ConsumerBench {
+    /// Events in the stream for each run.
+    #[arg(long, default_value_t = 100_000)]
+    events: u64,
+    /// Distinct aggregates.
+    #[arg(long, default_value_t = 1_000)]
+    aggregates: u64,
+    /// Payload size in bytes.
+    #[arg(long, default_value_t = 200)]
+    payload_bytes: usize,
+    /// Group members to run, one run per value.
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    members: Vec<usize>,
+    /// Aggregates each member processes at once.
+    #[arg(long, default_value_t = 16)]
+    concurrency: usize,
+    /// Entries read per round.
+    #[arg(long, default_value_t = 200)]
+    batch: usize,
+}
+
+/// The handler under test: one upsert into a projection.
+struct Project;
+
+impl Handler for Project {
+    async fn handle(
+        &self,
+        event: &Delivery,
+        txn: &DatabaseTransaction,
+    ) -> Result<(), HandlerError> {
+        apply_to_projection(txn, &event.aggregate_id, event.aggregate_seq, &event.data)
+            .await
+            .map_err(HandlerError::retry)
+    }
+}
+
+pub(super) async fn run(config: &Config, args: ConsumerBench) -> anyhow::Result<()> {
+    let server = config.database.url()?.expose().to_owned();
+    let redis_url = config.redis.url()?.expose().to_owned();
+    let client = redis::Client::open(redis_url.as_str()).context("redis.url is not usable")?;
+    let mut rconn = redis_conn(&client).await?;
+    admin::drop_database(&server, DB_NAME).await?;
+    admin::create_database(&server, DB_NAME, None).await?;
+    let prefix = format!(
+        "bench:{}:",
+        &uuid::Uuid::new_v4().simple().to_string()[..12]
+    );
+    let outcome = async {
+        let url = admin::database_url(&server, DB_NAME)?;
+        let max_members = args.members.iter().copied().max().unwrap_or(1);
+        let store = Store::connect(&ConnectSettings {
+            url,
+            pool_size: u32::try_from(max_members * args.concurrency + 4)?,
+            connect_timeout: Duration::from_secs(10),
+            application_name: "outpost bench consumer".to_owned(),
+            async_commit: false,
+        })
+        .await?;
+        store::migrate_up(&store).await?;
+        let server_info = info(&mut rconn, "server").await?;
+        println!("outpost bench consumer");
+        println!(
+            "date:     {}",
+            chrono::Utc::now().format("%Y-%m-%d %H:%M:%S UTC")
+        );
+        println!(
+            "machine:  {} CPUs (nproc), {}",
+            std::thread::available_parallelism().map_or(0, std::num::NonZeroUsize::get),
+            cpu_model()
+        );
+        println!("command:  {}", command_line());
+        println!(
+            "servers:  PostgreSQL {}, Redis {}",
+            store.server_version().await?,
+            info_field(&server_info, "redis_version").unwrap_or("?")
+        );
+        println!(
+            "work:     {} events over {} aggregates, {} B payloads; handler = one upsert per \
+             event; concurrency {} per member, batch {}",
+            args.events, args.aggregates, args.payload_bytes, args.concurrency, args.batch
+        );
+        println!();
+        println!(
+            "{:<28} {:>10} {:>10} {:>12} {:>14}",
+            "run", "seconds", "events/s", "process CPU", "PostgreSQL CPU"
+        );
+        let run = Run {
+            args: &args,
+            store: &store,
+            redis_url: &redis_url,
+            prefix: &prefix,
+        };
+        run.bare(&mut rconn).await?;
+        for &m in &args.members {
+            run.helper(&mut rconn, m).await?;
+        }
+        store.connection().clone().close().await.ok();
+        anyhow::Ok(())
+    }
+    .await;
+    let keys = delete_prefix_keys(&mut rconn, &prefix).await;
+    let dropped = admin::drop_database(&server, DB_NAME).await;
+    outcome?;
+    keys?;
+    dropped?;
+    Ok(())
+}
+
+struct Run<'a> {
+    args: &'a ConsumerBench,
+    store: &'a Store,
+    redis_url: &'a str,
+    prefix: &'a str,
+}
+
+impl Run<'_> {
+    /// Fills a fresh stream with the events, as the relay writes them.
+    async fn preload(&self, conn: &mut MultiplexedConnection, stream: &str) -> anyhow::Result<()> {
+        self.store.reset_consumer_bench().await?;
+        let payload = format!(
+            r#"{{"pad":"{}"}}"#,
+            "x".repeat(self.args.payload_bytes.saturating_sub(10))
+        );
+        let mut seqs = vec![0i64; usize::try_from(self.args.aggregates.max(1))?];
+        let mut n = 0u64;
+        while n < self.args.events {
+            let mut pipe = redis::pipe();
+            for _ in 0..1000.min(self.args.events - n) {
+                let a = usize::try_from(n % self.args.aggregates.max(1))?;
+                seqs[a] += 1;
+                let fields = entry_fields(Message {
+                    event_id: uuid::Uuid::now_v7().to_string(),
+                    event_type: "order.changed".into(),
+                    aggregate_type: "order".into(),
+                    aggregate_id: format!("o{a}"),
+                    aggregate_seq: seqs[a],
+                    schema_version: "1".into(),
+                    time: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+                    payload: payload.clone(),
+                    headers: "{}".into(),
+                })?;
+                pipe.cmd("XADD").arg(stream).arg("*");
+                for (k, v) in fields {
+                    pipe.arg(k).arg(v);
+                }
+                n += 1;
+            }
+            let _: Vec<String> = pipe.query_async(conn).await.context("preloading")?;
+        }
+        Ok(())
+    }
+
+    /// A bare consumer: XREADGROUP, one transaction per event with the same upsert, XACK per
+    /// batch. No inbox, no order check, no reclaim: what the helper's guarantees are measured
+    /// against.
+    async fn bare(&self, conn: &mut MultiplexedConnection) -> anyhow::Result<()> {
+        let stream = format!("{}bare", self.prefix);
+        self.preload(conn, &stream).await?;
+        let _: () = redis::cmd("XGROUP")
+            .arg("CREATE")
+            .arg(&stream)
+            .arg("bare")
+            .arg("0")
+            .query_async(conn)
+            .await?;
+        let usage = Usage::start();
+        let db = self.store.connection().clone();
+        loop {
+            let reply: Option<redis::streams::StreamReadReply> = redis::cmd("XREADGROUP")
+                .arg("GROUP")
+                .arg("bare")
+                .arg("c1")
+                .arg("COUNT")
+                .arg(self.args.batch)
+                .arg("STREAMS")
+                .arg(&stream)
+                .arg(">")
+                .query_async(conn)
+                .await?;
+            let entries: Vec<_> = reply
+                .into_iter()
+                .flat_map(|r| r.keys)
+                .flat_map(|k| k.ids)
+                .collect();
+            if entries.is_empty() {
+                break;
+            }
+            let work = entries.iter().map(|e| {
+                let db = db.clone();
+                let agg: String = e.get("ce_subject").unwrap_or_default();
+                let seq: i64 = e.get("ce_aggregateseq").unwrap_or_default();
+                let data: String = e.get("data").unwrap_or_default();
+                async move {
+                    let txn = db.begin().await?;
+                    apply_to_projection(&txn, &agg, seq, &data).await?;
+                    txn.commit().await?;
+                    anyhow::Ok(())
+                }
+            });
+            futures::StreamExt::collect::<Vec<_>>(futures::StreamExt::buffer_unordered(
+                futures::stream::iter(work),
+                self.args.concurrency,
+            ))
+            .await
+            .into_iter()
+            .collect::<anyhow::Result<Vec<()>>>()?;
+            let ids: Vec<&str> = entries.iter().map(|e| e.id.as_str()).collect();
+            let _: i64 = redis::cmd("XACK")
+                .arg(&stream)
+                .arg("bare")
+                .arg(&ids)
+                .query_async(conn)
+                .await?;
+        }
+        self.report("bare loop, 1 member", usage).await
+    }
+
+    /// `members` helpers in one group until every event is applied.
+    async fn helper(&self, conn: &mut MultiplexedConnection, members: usize) -> anyhow::Result<()> {
+        let stream = format!("{}helper{members}", self.prefix);
+        self.preload(conn, &stream).await?;
+        let usage = Usage::start();
+        let mut stops = Vec::new();
+        let mut tasks = Vec::new();
+        for m in 0..members {
+            let mut s = ConsumerSettings::new(self.redis_url, stream.clone(), "bench");
+            s.key_prefix = self.prefix.to_owned();
+            s.consumer = format!("m{m}");
+            s.concurrency = self.args.concurrency;
+            s.batch = self.args.batch;
+            s.block = Duration::from_millis(100);
+            let consumer = Consumer::connect(s, self.store.connection().clone(), Project).await?;
+            let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+            stops.push(tx);
+            tasks.push(tokio::spawn(consumer.run_until(async move {
+                let _ = rx.await;
+            })));
+        }
+        let want = i64::try_from(self.args.events)?;
+        let mut last = (Instant::now(), 0i64);
+        loop {
+            let applied = self.store.consumer_bench_applied().await?;
+            if applied >= want {
+                break;
+            }
+            if applied > last.1 {
+                last = (Instant::now(), applied);
+            } else if last.0.elapsed() > Duration::from_secs(60) {
+                anyhow::bail!("stalled at {applied} of {want} events");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let label = format!(
+            "helper, {members} member{}",
+            if members == 1 { "" } else { "s" }
+        );
+        let reported = self.report(&label, usage).await;
+        for s in stops {
+            let _ = s.send(());
+        }
+        for t in tasks {
+            t.await??;
+        }
+        reported
+    }
+
+    async fn report(&self, label: &str, usage: Usage) -> anyhow::Result<()> {
+        let secs = usage.at.elapsed().as_secs_f64();
+        let tck = clk_tck();
+        let cpu = |a: Option<u64>, b: Option<u64>| match (a, b) {
+            (Some(a), Some(b)) => {
+                format!("{:.0}%", (b.saturating_sub(a)) as f64 / tck / secs * 100.0)
+            }
+            _ => "?".to_owned(),
+        };
+        println!(
+            "{:<28} {:>10.2} {:>10.0} {:>12} {:>14}",
+            label,
+            secs,
+            self.args.events as f64 / secs,
+            cpu(usage.proc_ticks, self_cpu_ticks()),
+            cpu(usage.pg_ticks, postgres_cpu_ticks().map(|(_, t)| t)),
+        );
+        Ok(())
+    }
+}
+
+struct Usage {
+    at: Instant,
+    proc_ticks: Option<u64>,
+    pg_ticks: Option<u64>,
+}
+
+impl Usage {
+    fn start() -> Self {
+        Self {
+            at: Instant::now(),
+            proc_ticks: self_cpu_ticks(),
+            pg_ticks: postgres_cpu_ticks().map(|(_, t)| t),
+        }
+    }
+}
