@@ -103,20 +103,7 @@ impl Drop for OwnRedis {
 
 /// GET /readyz on the node's admin endpoint: the HTTP status code.
 async fn readyz(addr: std::net::SocketAddr) -> u16 {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let Ok(mut s) = tokio::net::TcpStream::connect(addr).await else {
-        return 0;
-    };
-    let _ = s
-        .write_all(b"GET /readyz HTTP/1.0\r\nHost: x\r\n\r\n")
-        .await;
-    let mut buf = Vec::new();
-    let _ = s.read_to_end(&mut buf).await;
-    String::from_utf8_lossy(&buf)
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0)
+    support::http_get(&addr.to_string(), "/readyz").await.0
 }
 
 /// Writers that keep committing events until stopped; returns the committed ids.

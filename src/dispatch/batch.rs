@@ -617,7 +617,7 @@ fn plan(
             plan.batches.push(StreamBatch {
                 stream,
                 partition: lease.partition,
-                epoch: lease.epoch,
+                epoch: fence_epoch(lease.epoch),
                 entries: Vec::new(),
             });
             plan.origins.push(Vec::new());
@@ -627,4 +627,14 @@ fn plan(
         plan.origins[idx].push(origin);
     }
     plan
+}
+
+/// The epoch a publish is fenced with. The `fence-off` fault point (tests only) sends none, to
+/// show what the Redis fence prevents.
+fn fence_epoch(epoch: i64) -> i64 {
+    #[cfg(feature = "failpoints")]
+    if fail::eval("fence-off", |_| ()).is_some() {
+        return crate::publish::UNFENCED;
+    }
+    epoch
 }

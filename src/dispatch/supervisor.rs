@@ -384,6 +384,8 @@ impl NodeSupervisor {
         if self.ticking {
             return;
         }
+        // A callback here freezes the supervisor's thread, as a stopped process would (tests).
+        fail::fail_point!("lease-tick", |_| ());
         self.ticking = true;
         let (store, publisher) = (self.store.clone(), self.publisher.clone());
         let node = self.settings.node_id.clone();

@@ -17,6 +17,9 @@ use redis::{Client, Value};
 pub use entry::{Message, entry_fields, field};
 pub use error::{ErrorClass, PublishError, classify_code};
 
+/// An epoch that skips the Redis fence. Only the `fence-off` fault point uses it.
+pub const UNFENCED: i64 = -1;
+
 /// Entries of one partition for one stream, in the order they must appear, fenced by that
 /// partition's lease epoch.
 #[derive(Debug, Clone, PartialEq)]

@@ -7,13 +7,16 @@ use super::{PublishError, StreamOutcome};
 /// KEYS[1]: fence hash, KEYS[2]: stream. ARGV[1]: partition, ARGV[2]: epoch, then per entry:
 /// the number of arguments that follow for it, then `field value ...`.
 ///
+/// A negative epoch skips the fence entirely (only the `fence-off` fault point sends one, to show in
+/// tests what the fence prevents).
+///
 /// Returns `{'fenced', current}` when a newer epoch is recorded; otherwise
 /// `{'ok', id...}`, or `{'error', message, id...}` when an `XADD` was refused after the listed
 /// ids were appended.
 const LUA: &str = r"
 local current = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
 local epoch = tonumber(ARGV[2])
-if current > epoch then
+if epoch >= 0 and current > epoch then
   return {'fenced', tostring(current)}
 end
 if current < epoch then

@@ -339,6 +339,9 @@ pub struct Deliveries {
     pub copies: std::collections::HashMap<String, usize>,
     /// (aggregate type, aggregate id) → sequences in order of first delivery.
     pub order: std::collections::HashMap<(String, String), Vec<i64>>,
+    /// Entries that came after a later event of their aggregate in the same stream: stale
+    /// entries a consumer applying every delivery in stream order would go back in time with.
+    pub stale: usize,
 }
 
 impl Deliveries {
@@ -346,7 +349,22 @@ impl Deliveries {
     pub async fn collect(conn: &mut redis::aio::MultiplexedConnection, prefix: &str) -> Self {
         let mut d = Deliveries::default();
         for (_, entries) in read_streams(conn, prefix).await {
+            let mut highest: std::collections::HashMap<(String, String), i64> =
+                std::collections::HashMap::new();
             for (_, f) in entries {
+                let aggregate = (
+                    f.get("ce_aggregatetype").cloned().unwrap_or_default(),
+                    f.get("ce_subject").cloned().unwrap_or_default(),
+                );
+                let seq: i64 = f
+                    .get("ce_aggregateseq")
+                    .and_then(|s| s.parse().ok())
+                    .unwrap_or(-1);
+                let top = highest.entry(aggregate).or_insert(seq);
+                if seq < *top {
+                    d.stale += 1;
+                }
+                *top = (*top).max(seq);
                 let id = f.get("ce_id").cloned().unwrap_or_default();
                 let n = d.copies.entry(id).or_insert(0);
                 *n += 1;
@@ -490,4 +508,24 @@ pub async fn start_node(config: outpost::config::Config) -> outpost::dispatch::n
         .await
         .expect("node thread")
         .expect("node starts")
+}
+
+/// A plain HTTP/1.0 GET: the status code and the whole response (status 0 when nothing answers).
+pub async fn http_get(addr: &str, path: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(mut s) = tokio::net::TcpStream::connect(addr).await else {
+        return (0, String::new());
+    };
+    let _ = s
+        .write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
+        .await;
+    let mut buf = Vec::new();
+    let _ = s.read_to_end(&mut buf).await;
+    let text = String::from_utf8_lossy(&buf).into_owned();
+    let code = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    (code, text)
 }
