@@ -10,6 +10,7 @@ use sea_orm_migration::sea_orm::DbBackend;
 
 mod m20261201_000001_outbox;
 mod m20261201_000002_lease_fence_key;
+mod m20261201_000004_retention;
 
 /// The ordered list of Outpost's migrations, recorded in `outpost_migrations`.
 #[derive(Debug)]
@@ -21,6 +22,7 @@ impl MigratorTrait for Migrator {
         vec![
             Box::new(m20261201_000001_outbox::Migration),
             Box::new(m20261201_000002_lease_fence_key::Migration),
+            Box::new(m20261201_000004_retention::Migration),
         ]
     }
 

@@ -634,6 +634,10 @@ impl Bench<'_> {
         cfg.node.id = NODE_ID.to_owned();
         cfg.admin.listen = "127.0.0.1:0".to_owned();
         cfg.relay.delete_published = delete_published;
+        if delete_published {
+            // Nothing published is kept, so nothing could be re-published.
+            cfg.retention.republish_window_secs = 0;
+        }
         let handle = tokio::task::spawn_blocking(move || node::start(&cfg))
             .await
             .context("the node's start-up thread failed")?
