@@ -457,6 +457,9 @@ pub struct RetentionConfig {
     pub batch_pause_ms: u64,
     /// Time between two janitor runs, ms.
     pub interval_ms: u64,
+    /// `VACUUM` the outbox table after a janitor run that deleted rows (for databases where
+    /// autovacuum is off or does not keep up).
+    pub vacuum: bool,
     /// Seconds of published rows re-published after Redis lost data; 0 = alert only.
     pub republish_window_secs: u64,
     /// Trim streams below what every consumer group has acknowledged.
@@ -479,6 +482,7 @@ impl Default for RetentionConfig {
             batch_rows: 1000,
             batch_pause_ms: 50,
             interval_ms: 60_000,
+            vacuum: false,
             republish_window_secs: 3600,
             trim_streams: true,
             trim_interval_ms: 60_000,

@@ -161,6 +161,7 @@ pub(crate) const FIELDS: &[Field] = &[
     uint("retention", "batch_rows", 1, 100_000, "rows"),
     uint("retention", "batch_pause_ms", 0, 60_000, MS),
     uint("retention", "interval_ms", 100, 86_400_000, MS),
+    field("retention", "vacuum", Kind::Bool),
     uint(
         "retention",
         "republish_window_secs",

@@ -5,7 +5,8 @@
 //!   `retention.discarded_secs`, `retention.batch_rows` at a time with `retention.batch_pause_ms`
 //!   between statements, every `retention.interval_ms`. Quarantined rows stay until an operator
 //!   acts. Each statement takes a transaction-scoped advisory lock first: with several nodes, one
-//!   deletes at a time and the others skip.
+//!   deletes at a time and the others skip. With `retention.vacuum` it then runs `VACUUM` on the
+//!   outbox table (for databases where autovacuum is off).
 //! - **The trimmer** ([`trimmer`]) trims every stream Outpost wrote (`outpost_stream`) below what
 //!   every consumer group has acknowledged (see [`crate::publish::TrimRule`]).
 //! - **Storage metrics** ([`storage_metrics`]): table and index size, dead tuples, the vacuum
@@ -71,12 +72,19 @@ pub async fn sweep(store: &Store, r: &RetentionConfig) -> Result<Swept, StoreErr
 pub async fn janitor(store: Store, r: RetentionConfig) {
     loop {
         match sweep(&store, &r).await {
-            Ok(s) if s.published + s.no_destination + s.discarded > 0 => tracing::info!(
-                published = s.published,
-                no_destination = s.no_destination,
-                discarded = s.discarded,
-                "retention: rows past their window deleted"
-            ),
+            Ok(s) if s.published + s.no_destination + s.discarded > 0 => {
+                tracing::info!(
+                    published = s.published,
+                    no_destination = s.no_destination,
+                    discarded = s.discarded,
+                    "retention: rows past their window deleted"
+                );
+                if r.vacuum
+                    && let Err(e) = store.vacuum_outbox().await
+                {
+                    tracing::warn!(error = %e, "retention: VACUUM of the outbox failed (retention.vacuum)");
+                }
+            }
             Ok(_) => {}
             Err(e) => {
                 tracing::warn!(error = %e, "retention: deleting old rows failed; retrying later")

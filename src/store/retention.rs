@@ -155,6 +155,17 @@ impl Store {
         Ok(Some(res.rows_affected()))
     }
 
+    /// `VACUUM (ANALYZE) outpost_event`: makes the space of deleted and updated rows reusable.
+    /// Takes a lock that does not conflict with inserts, updates or deletes.
+    pub async fn vacuum_outbox(&self) -> Result<(), StoreError> {
+        // VACUUM cannot run inside a transaction block: one statement per call.
+        self.connection()
+            .execute_unprepared("VACUUM (ANALYZE) outpost_event")
+            .await
+            .map_err(StoreError::from_db)?;
+        Ok(())
+    }
+
     /// Records how far streams were seen acknowledged (`(stream, ms, seq)`), as of
     /// `incarnation`: a position only ever grows, and positions from an older incarnation are
     /// dropped. Returns the current incarnation and every recorded stream. One statement.
