@@ -23,6 +23,9 @@ pub enum BenchCommand {
     /// Relay drain throughput against a bare relay loop, commit-to-stream latency under steady
     /// load, and the cost of an idle node.
     Relay(super::bench_relay::RelayBench),
+    /// Producer throughput while the janitor deletes old rows, and a soak through a node with
+    /// retention on.
+    Retention(super::bench_retention::RetentionBench),
 }
 
 /// Options of `outpost bench producer`.
@@ -52,6 +55,7 @@ pub(super) async fn run(config: &Config, which: BenchCommand) -> anyhow::Result<
     match which {
         BenchCommand::Producer(args) => producer(config, args).await,
         BenchCommand::Relay(args) => super::bench_relay::run(config, args).await,
+        BenchCommand::Retention(args) => super::bench_retention::run(config, args).await,
     }
 }
 
@@ -117,16 +121,26 @@ async fn producer(config: &Config, args: ProducerBench) -> anyhow::Result<()> {
                 store.reset_bench_tables().await?;
                 let outcome = match listener {
                     None => {
-                        let r = run_load(&store, &producer, &spec(WriteTarget::PlainTable), noop())
-                            .await?;
+                        let r = run_load(
+                            &store,
+                            &producer,
+                            &spec(WriteTarget::PlainTable),
+                            super::bench_relay::noop(),
+                        )
+                        .await?;
                         (r, 0)
                     }
                     Some(mode) => {
                         let stop = Arc::new(AtomicBool::new(false));
                         let handle =
                             tokio::spawn(listen(url.clone(), store.clone(), *mode, stop.clone()));
-                        let r =
-                            run_load(&store, &producer, &spec(WriteTarget::Outbox), noop()).await?;
+                        let r = run_load(
+                            &store,
+                            &producer,
+                            &spec(WriteTarget::Outbox),
+                            super::bench_relay::noop(),
+                        )
+                        .await?;
                         stop.store(true, Ordering::Relaxed);
                         (r, handle.await??)
                     }
@@ -142,10 +156,6 @@ async fn producer(config: &Config, args: ProducerBench) -> anyhow::Result<()> {
     drop(store);
     admin::drop_database(&server, name).await?;
     Ok(())
-}
-
-fn noop() -> Arc<dyn Fn(u64) + Send + Sync> {
-    Arc::new(|_| {})
 }
 
 /// The round with the median commit rate.

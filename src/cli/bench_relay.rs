@@ -712,7 +712,7 @@ async fn bare_loop(
     }
 }
 
-fn noop() -> Arc<dyn Fn(u64) + Send + Sync> {
+pub(super) fn noop() -> Arc<dyn Fn(u64) + Send + Sync> {
     Arc::new(|_| {})
 }
 
@@ -922,7 +922,7 @@ fn command_line() -> String {
 // -------------------------------------------------------------------------------------------
 // Redis
 
-async fn redis_conn(client: &redis::Client) -> anyhow::Result<MultiplexedConnection> {
+pub(super) async fn redis_conn(client: &redis::Client) -> anyhow::Result<MultiplexedConnection> {
     let config =
         redis::AsyncConnectionConfig::new().set_response_timeout(Some(Duration::from_secs(60)));
     client
@@ -967,7 +967,10 @@ async fn scan_keys(conn: &mut MultiplexedConnection, pattern: &str) -> anyhow::R
 }
 
 /// Entries of every stream whose key matches `pattern`.
-async fn stream_entries(conn: &mut MultiplexedConnection, pattern: &str) -> anyhow::Result<u64> {
+pub(super) async fn stream_entries(
+    conn: &mut MultiplexedConnection,
+    pattern: &str,
+) -> anyhow::Result<u64> {
     let mut total = 0;
     for key in scan_keys(conn, pattern).await? {
         let kind: String = redis::cmd("TYPE").arg(&key).query_async(conn).await?;
@@ -980,7 +983,10 @@ async fn stream_entries(conn: &mut MultiplexedConnection, pattern: &str) -> anyh
 }
 
 /// Deletes every key under `prefix` (SCAN + DEL).
-async fn delete_prefix_keys(conn: &mut MultiplexedConnection, prefix: &str) -> anyhow::Result<()> {
+pub(super) async fn delete_prefix_keys(
+    conn: &mut MultiplexedConnection,
+    prefix: &str,
+) -> anyhow::Result<()> {
     let keys = scan_keys(conn, &format!("{prefix}*")).await?;
     for chunk in keys.chunks(500) {
         let _: u64 = redis::cmd("DEL").arg(chunk).query_async(conn).await?;
