@@ -43,6 +43,67 @@ pub const FENCED: &str = "outpost_fenced_total";
 pub const ACTOR_RESTARTS: &str = "outpost_partition_restarts_total";
 /// Nudges received from producers.
 pub const NUDGES: &str = "outpost_nudges_total";
+/// Rows deleted by the janitor (`state` = `published`|`no_destination`|`discarded`).
+pub const RETENTION_DELETED: &str = "outpost_retention_deleted_total";
+/// Stream entries trimmed (`reason` = `acknowledged`|`age`|`cap`; `cap` dropped unacknowledged
+/// entries).
+pub const STREAM_TRIMMED: &str = "outpost_stream_trimmed_entries_total";
+/// Data losses of Redis noticed (restart without persistence, lagging failover, eviction).
+pub const REDIS_DATA_LOSS: &str = "outpost_redis_data_loss_total";
+/// Events set back to pending to be re-published after a Redis data loss.
+pub const REPUBLISHED: &str = "outpost_republished_events_total";
+/// 1 when Redis's `maxmemory-policy` may evict keys (anything but `noeviction`).
+pub const REDIS_MAY_EVICT: &str = "outpost_redis_may_evict";
+/// 1 when Redis has append-only persistence on.
+pub const REDIS_AOF: &str = "outpost_redis_aof_enabled";
+/// Size of the outbox table (heap, TOAST, free space map), bytes.
+pub const TABLE_BYTES: &str = "outpost_outbox_table_bytes";
+/// Size of the outbox table's indexes, bytes.
+pub const INDEX_BYTES: &str = "outpost_outbox_index_bytes";
+/// Dead row versions in the outbox table not yet vacuumed.
+pub const DEAD_TUPLES: &str = "outpost_outbox_dead_tuples";
+/// Live rows in the outbox table (statistics).
+pub const LIVE_TUPLES: &str = "outpost_outbox_live_tuples";
+/// Age in transactions of the oldest snapshot or prepared transaction holding back vacuum.
+pub const XMIN_AGE: &str = "outpost_db_xmin_age_transactions";
+/// Age in seconds of the oldest transaction holding back vacuum.
+pub const OLDEST_XACT: &str = "outpost_db_oldest_transaction_seconds";
+/// Prepared (two-phase) transactions in the database.
+pub const PREPARED_XACTS: &str = "outpost_db_prepared_transactions";
+
+/// Every metric Outpost exports (histograms also as `_bucket`, `_sum`, `_count`).
+pub const ALL: &[&str] = &[
+    PUBLISHED,
+    FAILURES,
+    RETRIES,
+    QUARANTINED,
+    NO_DESTINATION,
+    RATE_LIMITED_WAITS,
+    BACKLOG,
+    OLDEST_PENDING_AGE,
+    CLAIM_SECONDS,
+    PUBLISH_SECONDS,
+    MARK_SECONDS,
+    COMMIT_TO_PUBLISH_SECONDS,
+    LEASES_HELD,
+    PARTITIONS_PAUSED,
+    FENCED,
+    ACTOR_RESTARTS,
+    NUDGES,
+    RETENTION_DELETED,
+    STREAM_TRIMMED,
+    REDIS_DATA_LOSS,
+    REPUBLISHED,
+    REDIS_MAY_EVICT,
+    REDIS_AOF,
+    TABLE_BYTES,
+    INDEX_BYTES,
+    DEAD_TUPLES,
+    LIVE_TUPLES,
+    XMIN_AGE,
+    OLDEST_XACT,
+    PREPARED_XACTS,
+];
 
 /// Consumer helper: events applied by a handler (label `group`, as for every consumer metric).
 pub const CONSUMER_PROCESSED: &str = "outpost_consumer_processed_total";
@@ -185,4 +246,94 @@ fn describe() {
         Unit::Count,
         "Entries not yet delivered to the group."
     );
+    describe_counter!(
+        RETENTION_DELETED,
+        Unit::Count,
+        "Outbox rows deleted by the janitor, by state."
+    );
+    describe_counter!(
+        STREAM_TRIMMED,
+        Unit::Count,
+        "Stream entries trimmed, by reason (cap = unacknowledged entries dropped)."
+    );
+    describe_counter!(
+        REDIS_DATA_LOSS,
+        Unit::Count,
+        "Redis data losses noticed (restart without persistence, lagging failover, eviction)."
+    );
+    describe_counter!(
+        REPUBLISHED,
+        Unit::Count,
+        "Events set back to pending for re-publishing after a Redis data loss."
+    );
+    describe_gauge!(
+        REDIS_MAY_EVICT,
+        Unit::Count,
+        "1 when Redis maxmemory-policy is not noeviction."
+    );
+    describe_gauge!(
+        REDIS_AOF,
+        Unit::Count,
+        "1 when Redis append-only persistence is on."
+    );
+    describe_gauge!(TABLE_BYTES, Unit::Bytes, "Size of the outbox table.");
+    describe_gauge!(
+        INDEX_BYTES,
+        Unit::Bytes,
+        "Size of the outbox table's indexes."
+    );
+    describe_gauge!(
+        DEAD_TUPLES,
+        Unit::Count,
+        "Dead row versions in the outbox table not yet vacuumed."
+    );
+    describe_gauge!(LIVE_TUPLES, Unit::Count, "Live rows in the outbox table.");
+    describe_gauge!(
+        XMIN_AGE,
+        Unit::Count,
+        "Age in transactions of the oldest snapshot holding back vacuum."
+    );
+    describe_gauge!(
+        OLDEST_XACT,
+        Unit::Seconds,
+        "Age of the oldest transaction holding back vacuum."
+    );
+    describe_gauge!(
+        PREPARED_XACTS,
+        Unit::Count,
+        "Prepared transactions in the database."
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    /// Every `outpost_*` name the shipped alert rules use is a metric the code exports.
+    #[test]
+    fn alert_rules_use_exported_metrics() {
+        let rules = include_str!("../deploy/prometheus/outpost-alerts.yml");
+        let mut used = BTreeSet::new();
+        let mut rest = rules;
+        while let Some(i) = rest.find("outpost_") {
+            let name: String = rest[i..]
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect();
+            rest = &rest[i + name.len()..];
+            used.insert(name);
+        }
+        assert!(!used.is_empty(), "the rules file uses no metric");
+        for name in &used {
+            let base = ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|s| name.strip_suffix(s))
+                .filter(|b| super::ALL.contains(b))
+                .unwrap_or(name);
+            assert!(
+                super::ALL.contains(&base),
+                "{name} is used by deploy/prometheus/outpost-alerts.yml but not exported"
+            );
+        }
+    }
 }

@@ -259,6 +259,7 @@ fn environment_values_are_typed_by_their_key() {
         &[
             ("OUTPOST_NODE__ID", "123"),
             ("OUTPOST_RELAY__DELETE_PUBLISHED", "true"),
+            ("OUTPOST_RETENTION__REPUBLISH_WINDOW_SECS", "0"),
             ("OUTPOST_ROUTING__NO_DESTINATION", "AuditTrail, Heartbeat"),
             (
                 "OUTPOST_ROUTING__OVERRIDES__OrderPlaced",

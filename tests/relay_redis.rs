@@ -17,16 +17,26 @@ use sea_orm::TransactionTrait;
 use serde_json::json;
 use support::{Deliveries, TestDb, assert_all_published, relay_config_with, scalar, wait_until};
 
-/// A redis-server child with append-only persistence (fsync on every write), so a kill -9 and
-/// restart keeps what it acknowledged.
+/// A redis-server child of the test: by default with append-only persistence (fsync on every
+/// write), so a kill -9 and restart keeps what it acknowledged.
 struct OwnRedis {
     port: u16,
     dir: std::path::PathBuf,
     child: Option<Child>,
+    args: Vec<&'static str>,
 }
 
 impl OwnRedis {
     fn start() -> Self {
+        Self::start_with(&["--appendonly", "yes", "--appendfsync", "always"])
+    }
+
+    /// Without any persistence: a restart comes back empty.
+    fn start_ephemeral() -> Self {
+        Self::start_with(&["--appendonly", "no"])
+    }
+
+    fn start_with(args: &[&'static str]) -> Self {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
@@ -38,6 +48,7 @@ impl OwnRedis {
             port,
             dir,
             child: None,
+            args: args.to_vec(),
         };
         r.spawn();
         r
@@ -53,7 +64,7 @@ impl OwnRedis {
                 "--save",
                 "",
             ])
-            .args(["--appendonly", "yes", "--appendfsync", "always"])
+            .args(&self.args)
             .arg("--dir")
             .arg(&self.dir)
             .stdout(Stdio::null())
@@ -103,7 +114,14 @@ impl Drop for OwnRedis {
 
 /// GET /readyz on the node's admin endpoint: the HTTP status code.
 async fn readyz(addr: std::net::SocketAddr) -> u16 {
-    support::http_get(&addr.to_string(), "/readyz").await.0
+    readyz_body(addr).await.0
+}
+
+/// GET /readyz: the HTTP status code and the body.
+async fn readyz_body(addr: std::net::SocketAddr) -> (u16, String) {
+    let (code, text) = support::http_get(&addr.to_string(), "/readyz").await;
+    let body = text.split("\r\n\r\n").nth(1).unwrap_or_default().to_owned();
+    (code, body)
 }
 
 /// Writers that keep committing events until stopped; returns the committed ids.
@@ -237,4 +255,99 @@ async fn redis_paused_for_ten_seconds_loses_nothing_and_burns_no_attempt() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn redis_killed_and_restarted_loses_nothing_and_burns_no_attempt() {
     survive(Outage::Kill).await;
+}
+
+/// Redis restarted empty mid-run (no persistence, killed and restarted): the node notices, sets
+/// the retained window back to pending and publishes it again. Every committed event ends up in
+/// the new Redis with its event id, each aggregate's events in sequence order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_restarted_empty_is_noticed_and_the_window_republished() {
+    support::init_logs();
+    let db = TestDb::new().await;
+    let mut own = OwnRedis::start_ephemeral();
+    let mut conn = own.conn().await;
+    let config = relay_config_with(&db, &own.url(), "o:", "loss-node", &[]);
+    let node = support::start_node(config).await;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let writing = writers(&db, stop.clone());
+    wait_until(
+        30,
+        "some events to be published and their positions recorded",
+        || {
+            let mut c = conn.clone();
+            let db = &db;
+            async move {
+                Deliveries::collect(&mut c, "o:").await.unique() >= 100
+                    && scalar(db, "SELECT count(*) FROM outpost_stream WHERE last_ms > 0").await > 0
+            }
+        },
+    )
+    .await;
+
+    own.kill();
+    own.spawn();
+    conn = own.conn().await;
+    wait_until(60, "the loss to be noticed and recovered", || async {
+        scalar(&db, "SELECT incarnation FROM outpost_redis").await == 1
+    })
+    .await;
+    assert!(scalar(&db, "SELECT republished FROM outpost_redis").await >= 100);
+    stop.store(true, Ordering::Relaxed);
+    let committed = writing.await.unwrap();
+
+    wait_until(120, "every committed event to be in the new Redis", || {
+        let (mut c, n) = (conn.clone(), committed.len());
+        async move { Deliveries::collect(&mut c, "o:").await.unique() >= n }
+    })
+    .await;
+    let d = Deliveries::collect(&mut conn, "o:").await;
+    let seen: HashSet<String> = d.copies.keys().cloned().collect();
+    assert_eq!(
+        seen, committed,
+        "every committed event, with its event id, nothing else"
+    );
+    assert!(
+        d.order_violations().is_empty(),
+        "each aggregate's events in sequence order: {:?}",
+        d.order_violations()
+    );
+    assert_all_published(&db).await;
+    node.shutdown().await;
+}
+
+/// A Redis that may evict keys is refused by default, and only warned about (and reported by
+/// `/readyz`) when `redis.maxmemory_policy_check = "warn"`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_that_may_evict_is_refused_or_reported() {
+    support::init_logs();
+    let db = TestDb::new().await;
+    let own = OwnRedis::start_with(&["--appendonly", "no", "--maxmemory-policy", "allkeys-lru"]);
+    let _ = own.conn().await;
+    let config = relay_config_with(&db, &own.url(), "o:", "evict-node", &[]);
+    let refused = tokio::task::spawn_blocking(move || outpost::dispatch::node::start(&config))
+        .await
+        .unwrap();
+    let err = refused.expect_err("a Redis that may evict is refused");
+    assert!(err.to_string().contains("maxmemory-policy"), "{err}");
+
+    let config = relay_config_with(
+        &db,
+        &own.url(),
+        "o:",
+        "evict-node",
+        &[("redis.maxmemory_policy_check", "warn")],
+    );
+    let node = support::start_node(config).await;
+    let admin = node.admin_addr();
+    wait_until(30, "/readyz to say ready", || async move {
+        readyz(admin).await == 200
+    })
+    .await;
+    let (_, body) = readyz_body(admin).await;
+    let body: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(body["redis_server"]["maxmemory_policy"], "allkeys-lru");
+    assert_eq!(body["redis_server"]["may_evict"], true);
+    assert_eq!(body["redis_server"]["appendonly"], false);
+    node.shutdown().await;
 }

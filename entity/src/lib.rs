@@ -9,3 +9,5 @@ pub mod outpost_event;
 pub mod outpost_inbox;
 pub mod outpost_node;
 pub mod outpost_partition;
+pub mod outpost_redis;
+pub mod outpost_stream;

@@ -11,6 +11,7 @@ use sea_orm_migration::sea_orm::DbBackend;
 mod m20261201_000001_outbox;
 mod m20261201_000002_lease_fence_key;
 mod m20261201_000003_consumer;
+mod m20261201_000004_retention;
 
 /// The ordered list of Outpost's migrations, recorded in `outpost_migrations`.
 #[derive(Debug)]
@@ -23,6 +24,7 @@ impl MigratorTrait for Migrator {
             Box::new(m20261201_000001_outbox::Migration),
             Box::new(m20261201_000002_lease_fence_key::Migration),
             Box::new(m20261201_000003_consumer::Migration),
+            Box::new(m20261201_000004_retention::Migration),
         ]
     }
 

@@ -56,12 +56,29 @@ async fn livez() -> HttpResponse {
 async fn readyz(state: web::Data<AppState>) -> HttpResponse {
     use std::sync::atomic::Ordering::Relaxed;
     let h = &state.health;
+    let server = h
+        .redis_server
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone();
+    let redis_server = server.map(|(facts, persistence)| {
+        json!({
+            "version": facts.version,
+            "maxmemory_policy": facts.maxmemory_policy,
+            "may_evict": facts.may_evict(),
+            "eviction_refused": h.eviction_refused.load(Relaxed),
+            "appendonly": facts.aof_enabled,
+            "appendfsync": persistence.appendfsync,
+            "save": persistence.save,
+        })
+    });
     let body = json!({
         "ready": h.ready(),
         "database": h.database.load(Relaxed),
         "redis": h.redis.load(Relaxed),
         "supervisor": h.running.load(Relaxed),
         "leases": h.leases.load(Relaxed),
+        "redis_server": redis_server,
     });
     if h.ready() {
         HttpResponse::Ok().json(body)

@@ -26,6 +26,9 @@ pub enum BenchCommand {
     /// Consumer helper throughput with the inbox in PostgreSQL, one and two members, against a
     /// bare consumer loop.
     Consumer(super::bench_consumer::ConsumerBench),
+    /// Producer throughput while the janitor deletes old rows, and a soak through a node with
+    /// retention on.
+    Retention(super::bench_retention::RetentionBench),
 }
 
 /// Options of `outpost bench producer`.
@@ -56,6 +59,7 @@ pub(super) async fn run(config: &Config, which: BenchCommand) -> anyhow::Result<
         BenchCommand::Producer(args) => producer(config, args).await,
         BenchCommand::Relay(args) => super::bench_relay::run(config, args).await,
         BenchCommand::Consumer(args) => super::bench_consumer::run(config, args).await,
+        BenchCommand::Retention(args) => super::bench_retention::run(config, args).await,
     }
 }
 
@@ -121,16 +125,26 @@ async fn producer(config: &Config, args: ProducerBench) -> anyhow::Result<()> {
                 store.reset_bench_tables().await?;
                 let outcome = match listener {
                     None => {
-                        let r = run_load(&store, &producer, &spec(WriteTarget::PlainTable), noop())
-                            .await?;
+                        let r = run_load(
+                            &store,
+                            &producer,
+                            &spec(WriteTarget::PlainTable),
+                            super::bench_relay::noop(),
+                        )
+                        .await?;
                         (r, 0)
                     }
                     Some(mode) => {
                         let stop = Arc::new(AtomicBool::new(false));
                         let handle =
                             tokio::spawn(listen(url.clone(), store.clone(), *mode, stop.clone()));
-                        let r =
-                            run_load(&store, &producer, &spec(WriteTarget::Outbox), noop()).await?;
+                        let r = run_load(
+                            &store,
+                            &producer,
+                            &spec(WriteTarget::Outbox),
+                            super::bench_relay::noop(),
+                        )
+                        .await?;
                         stop.store(true, Ordering::Relaxed);
                         (r, handle.await??)
                     }
@@ -146,10 +160,6 @@ async fn producer(config: &Config, args: ProducerBench) -> anyhow::Result<()> {
     drop(store);
     admin::drop_database(&server, name).await?;
     Ok(())
-}
-
-fn noop() -> Arc<dyn Fn(u64) + Send + Sync> {
-    Arc::new(|_| {})
 }
 
 /// The round with the median commit rate.

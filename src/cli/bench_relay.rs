@@ -634,6 +634,10 @@ impl Bench<'_> {
         cfg.node.id = NODE_ID.to_owned();
         cfg.admin.listen = "127.0.0.1:0".to_owned();
         cfg.relay.delete_published = delete_published;
+        if delete_published {
+            // Nothing published is kept, so nothing could be re-published.
+            cfg.retention.republish_window_secs = 0;
+        }
         let handle = tokio::task::spawn_blocking(move || node::start(&cfg))
             .await
             .context("the node's start-up thread failed")?
@@ -708,7 +712,7 @@ async fn bare_loop(
     }
 }
 
-fn noop() -> Arc<dyn Fn(u64) + Send + Sync> {
+pub(super) fn noop() -> Arc<dyn Fn(u64) + Send + Sync> {
     Arc::new(|_| {})
 }
 
@@ -966,7 +970,10 @@ async fn scan_keys(conn: &mut MultiplexedConnection, pattern: &str) -> anyhow::R
 }
 
 /// Entries of every stream whose key matches `pattern`.
-async fn stream_entries(conn: &mut MultiplexedConnection, pattern: &str) -> anyhow::Result<u64> {
+pub(super) async fn stream_entries(
+    conn: &mut MultiplexedConnection,
+    pattern: &str,
+) -> anyhow::Result<u64> {
     let mut total = 0;
     for key in scan_keys(conn, pattern).await? {
         let kind: String = redis::cmd("TYPE").arg(&key).query_async(conn).await?;

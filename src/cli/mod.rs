@@ -4,6 +4,7 @@
 mod bench;
 mod bench_consumer;
 mod bench_relay;
+mod bench_retention;
 mod config_cmd;
 mod migrate;
 mod pause;

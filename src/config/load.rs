@@ -105,6 +105,7 @@ pub fn load(opts: &LoadOptions) -> Result<Config, ConfigErrors> {
         relay: reader.read("relay"),
         routing: reader.read("routing"),
         rate_limit: reader.read("rate_limit"),
+        retention: reader.read("retention"),
         log: reader.read("log"),
     };
     let failed = reader.failed;

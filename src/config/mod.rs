@@ -87,6 +87,9 @@ pub struct Config {
     pub routing: RoutingConfig,
     /// `[rate_limit]`: publishing rate limits.
     pub rate_limit: RateLimitConfig,
+    /// `[retention]`: ageing rows out of the outbox, trimming streams, re-publishing after a
+    /// Redis data loss.
+    pub retention: RetentionConfig,
     /// `[log]`: logging.
     pub log: LogConfig,
 }
@@ -137,7 +140,15 @@ pub struct RedisConfig {
     pub connect_timeout_ms: u64,
     /// Timeout of one command in milliseconds, 100..=600000.
     pub response_timeout_ms: u64,
+    /// What to do when Redis may evict keys (`maxmemory-policy` other than `noeviction`):
+    /// [`REFUSE`] (the node does not start, `/readyz` says not ready) or [`WARN`].
+    pub maxmemory_policy_check: String,
 }
+
+/// `redis.maxmemory_policy_check`: refuse to run against a Redis that may evict keys.
+pub const REFUSE: &str = "refuse";
+/// `redis.maxmemory_policy_check`: run, but log a warning and report it.
+pub const WARN: &str = "warn";
 
 impl Default for RedisConfig {
     fn default() -> Self {
@@ -146,6 +157,7 @@ impl Default for RedisConfig {
             key_prefix: String::new(),
             connect_timeout_ms: 5000,
             response_timeout_ms: 5000,
+            maxmemory_policy_check: REFUSE.to_owned(),
         }
     }
 }
@@ -424,6 +436,76 @@ impl RateLimitConfig {
     /// The burst to use with `rate`: `burst`, or `rate` itself when `burst` is 0.
     pub fn burst_for(&self, rate: NonZeroU32) -> NonZeroU32 {
         NonZeroU32::new(self.burst).unwrap_or(rate)
+    }
+}
+
+/// `[retention]`
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct RetentionConfig {
+    /// Run the janitor (deletes rows past their window).
+    pub enabled: bool,
+    /// Seconds a published row is kept after publishing.
+    pub published_secs: u64,
+    /// Seconds a `no_destination` row is kept after it was recorded (90 days by default).
+    pub no_destination_secs: u64,
+    /// Seconds a `discarded` row is kept after it was recorded.
+    pub discarded_secs: u64,
+    /// Rows deleted per statement.
+    pub batch_rows: u32,
+    /// Pause between two delete statements, ms.
+    pub batch_pause_ms: u64,
+    /// Time between two janitor runs, ms.
+    pub interval_ms: u64,
+    /// `VACUUM` the outbox table after a janitor run that deleted rows (for databases where
+    /// autovacuum is off or does not keep up).
+    pub vacuum: bool,
+    /// Seconds of published rows re-published after Redis lost data; 0 = alert only.
+    pub republish_window_secs: u64,
+    /// Trim streams below what every consumer group has acknowledged.
+    pub trim_streams: bool,
+    /// Time between two trimming rounds, ms.
+    pub trim_interval_ms: u64,
+    /// Streams without consumer groups: trim entries older than this many seconds; 0 = never.
+    pub trim_ungrouped_after_secs: u64,
+    /// Hard cap of entries per stream, dropping unacknowledged entries (logged); 0 = no cap.
+    pub stream_max_len: u64,
+}
+
+impl Default for RetentionConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            published_secs: 86_400,
+            no_destination_secs: 7_776_000,
+            discarded_secs: 2_592_000,
+            batch_rows: 1000,
+            batch_pause_ms: 50,
+            interval_ms: 60_000,
+            vacuum: false,
+            republish_window_secs: 3600,
+            trim_streams: true,
+            trim_interval_ms: 60_000,
+            trim_ungrouped_after_secs: 0,
+            stream_max_len: 0,
+        }
+    }
+}
+
+impl RetentionConfig {
+    /// `batch_pause_ms` as a [`Duration`].
+    pub fn batch_pause(&self) -> Duration {
+        Duration::from_millis(self.batch_pause_ms)
+    }
+
+    /// `interval_ms` as a [`Duration`].
+    pub fn interval(&self) -> Duration {
+        Duration::from_millis(self.interval_ms)
+    }
+
+    /// `trim_interval_ms` as a [`Duration`].
+    pub fn trim_interval(&self) -> Duration {
+        Duration::from_millis(self.trim_interval_ms)
     }
 }
 

@@ -58,6 +58,9 @@ impl Field {
 }
 
 const MS: &str = "milliseconds";
+const SECS: &str = "seconds";
+/// Upper bound of the retention windows.
+const TEN_YEARS: u64 = 315_360_000;
 
 const fn uint(
     section: &'static str,
@@ -93,6 +96,7 @@ pub(crate) const SECTIONS: &[&str] = &[
     "relay",
     "routing",
     "rate_limit",
+    "retention",
     "log",
 ];
 
@@ -106,6 +110,7 @@ pub(crate) const FIELDS: &[Field] = &[
     field("redis", "key_prefix", Kind::Str),
     uint("redis", "connect_timeout_ms", 100, 600_000, MS),
     uint("redis", "response_timeout_ms", 100, 600_000, MS),
+    field("redis", "maxmemory_policy_check", Kind::Str),
     field("node", "id", Kind::Str),
     uint("node", "heartbeat_ms", 100, 60_000, MS),
     uint("node", "lease_ms", 300, 3_600_000, MS),
@@ -148,6 +153,37 @@ pub(crate) const FIELDS: &[Field] = &[
         0,
         u32::MAX as u64,
         "events, 0 = same as the rate",
+    ),
+    field("retention", "enabled", Kind::Bool),
+    uint("retention", "published_secs", 1, TEN_YEARS, SECS),
+    uint("retention", "no_destination_secs", 1, TEN_YEARS, SECS),
+    uint("retention", "discarded_secs", 1, TEN_YEARS, SECS),
+    uint("retention", "batch_rows", 1, 100_000, "rows"),
+    uint("retention", "batch_pause_ms", 0, 60_000, MS),
+    uint("retention", "interval_ms", 100, 86_400_000, MS),
+    field("retention", "vacuum", Kind::Bool),
+    uint(
+        "retention",
+        "republish_window_secs",
+        0,
+        TEN_YEARS,
+        "seconds, 0 = alert only",
+    ),
+    field("retention", "trim_streams", Kind::Bool),
+    uint("retention", "trim_interval_ms", 100, 86_400_000, MS),
+    uint(
+        "retention",
+        "trim_ungrouped_after_secs",
+        0,
+        TEN_YEARS,
+        "seconds, 0 = never",
+    ),
+    uint(
+        "retention",
+        "stream_max_len",
+        0,
+        u64::MAX,
+        "entries, 0 = no cap",
     ),
     field("log", "level", Kind::Str),
     field("log", "format", Kind::Str),

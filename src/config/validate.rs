@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use figment::value::Value;
 
 use super::schema::{FIELDS, Kind};
-use super::{Config, NO_DESTINATION, Secret, TEMPLATE_PLACEHOLDERS};
+use super::{Config, NO_DESTINATION, REFUSE, Secret, TEMPLATE_PLACEHOLDERS, WARN};
 
 /// One failed check, before its source is known.
 #[derive(Debug, Clone)]
@@ -160,6 +160,7 @@ pub(crate) fn check(config: &Config) -> Vec<Issue> {
     }
 
     check_routing(config, &mut issues);
+    check_retention(config, &mut issues);
 
     let level = config.log.level.trim();
     if level.is_empty() {
@@ -247,6 +248,48 @@ fn check_url(url: &Secret, schemes: &[&str], example: &str) -> Result<(), String
         ));
     }
     Ok(())
+}
+
+/// The re-publish window must still be in the outbox when Redis loses data.
+fn check_retention(config: &Config, issues: &mut Vec<Issue>) {
+    let policy = &config.redis.maxmemory_policy_check;
+    if policy != REFUSE && policy != WARN {
+        issues.push(Issue::new(
+            "redis.maxmemory_policy_check",
+            format!("= {policy:?} is not a choice; use \"{REFUSE}\" or \"{WARN}\""),
+        ));
+    }
+    let r = &config.retention;
+    if r.republish_window_secs == 0 {
+        return;
+    }
+    if config.relay.delete_published {
+        issues.push(
+            Issue::new(
+                "retention.republish_window_secs",
+                format!(
+                    "is {} but relay.delete_published = true keeps no published rows to \
+                     re-publish after Redis loses data; set retention.republish_window_secs = 0 \
+                     (alert only) or relay.delete_published = false",
+                    r.republish_window_secs
+                ),
+            )
+            .related(&["relay.delete_published"]),
+        );
+    } else if r.enabled && r.published_secs < r.republish_window_secs {
+        issues.push(
+            Issue::new(
+                "retention.published_secs",
+                format!(
+                    "is {} but must be at least retention.republish_window_secs = {}: the rows \
+                     to re-publish after Redis loses data must still be in the outbox; raise \
+                     retention.published_secs or lower retention.republish_window_secs",
+                    r.published_secs, r.republish_window_secs
+                ),
+            )
+            .related(&["retention.republish_window_secs"]),
+        );
+    }
 }
 
 fn check_routing(config: &Config, issues: &mut Vec<Issue>) {
@@ -359,6 +402,25 @@ mod tests {
         assert!(check_template("e:}").is_err());
         let err = check_template("e:{tenant}:{x}").expect_err("unknown placeholders");
         assert!(err.contains("{tenant}") && err.contains("{x}"), "{err}");
+    }
+
+    #[test]
+    fn retention_covers_the_republish_window() {
+        let mut c = Config::default();
+        c.retention.published_secs = 60;
+        c.retention.republish_window_secs = 120;
+        let keys: Vec<String> = check(&c).iter().map(Issue::key).collect();
+        assert_eq!(keys, ["retention.published_secs"]);
+        c.retention.published_secs = 120;
+        assert!(check(&c).is_empty());
+        c.relay.delete_published = true;
+        let keys: Vec<String> = check(&c).iter().map(Issue::key).collect();
+        assert_eq!(keys, ["retention.republish_window_secs"]);
+        c.retention.republish_window_secs = 0;
+        assert!(check(&c).is_empty());
+        c.redis.maxmemory_policy_check = "maybe".to_owned();
+        let keys: Vec<String> = check(&c).iter().map(Issue::key).collect();
+        assert_eq!(keys, ["redis.maxmemory_policy_check"]);
     }
 
     #[test]

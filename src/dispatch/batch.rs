@@ -14,6 +14,7 @@ use metrics::{counter, histogram};
 
 use super::ratelimit::RateLimits;
 use super::route::{Route, Router};
+use super::streams::StreamBook;
 use crate::metrics as m;
 use crate::publish::{
     ErrorClass, Message, PublishError, Publisher, StreamBatch, StreamOutcome, entry_fields,
@@ -87,6 +88,8 @@ pub struct Shared {
     pub settings: RelaySettings,
     /// The node's publishing deadline.
     pub deadline: LeaseDeadline,
+    /// Streams known to exist and their positions not yet recorded.
+    pub streams: StreamBook,
 }
 
 /// The resources of one worker arbiter: its own database pool and Redis connection.
@@ -256,6 +259,7 @@ pub async fn run_group(worker: &Worker, leases: &[LeaseRef]) -> Vec<Outcome> {
                     plan(
                         &worker.shared.router,
                         &worker.publisher,
+                        &worker.shared.streams,
                         settings,
                         rows,
                         lease,
@@ -299,11 +303,12 @@ pub async fn run_group(worker: &Worker, leases: &[LeaseRef]) -> Vec<Outcome> {
         .iter_mut()
         .flat_map(|(_, plan, _)| std::mem::take(&mut plan.batches))
         .collect();
+    let streams: Vec<String> = all.iter().map(|b| b.stream.clone()).collect();
     let started = Instant::now();
     let published = publish(worker, &all).await;
     histogram!(m::PUBLISH_SECONDS).record(started.elapsed().as_secs_f64());
     let mut replies = match published {
-        Ok(o) => o.into_iter(),
+        Ok(o) => streams.into_iter().zip(o),
         Err(e) => {
             counter!(m::FAILURES, "kind" => "transient", "code" => e.code().to_owned())
                 .increment(1);
@@ -327,10 +332,18 @@ pub async fn run_group(worker: &Worker, leases: &[LeaseRef]) -> Vec<Outcome> {
         let mut result = plan.result;
         let mut transient: Option<PublishError> = None;
         for origins in plan.origins {
-            let Some(outcome) = replies.next() else {
+            let Some((stream, outcome)) = replies.next() else {
                 break;
             };
             let (ids, error) = match outcome {
+                StreamOutcome::Lost => {
+                    worker.shared.streams.flag_lost();
+                    outcomes[i] = Some(Err(BatchError::Transient(format!(
+                        "stream {stream} is known to exist but Redis has lost it; nothing \
+                         appended until the loss is handled"
+                    ))));
+                    continue 'plans;
+                }
                 StreamOutcome::Published(ids) => (ids, None),
                 StreamOutcome::Failed { ids, error } => (ids, Some(error)),
                 StreamOutcome::Fenced { current } => {
@@ -341,6 +354,9 @@ pub async fn run_group(worker: &Worker, leases: &[LeaseRef]) -> Vec<Outcome> {
                 }
             };
             let n_ok = ids.len();
+            if let Some(last) = ids.last() {
+                worker.shared.streams.published(&stream, last);
+            }
             for (origin, id) in origins.iter().zip(ids) {
                 let latency = (now - origin.recorded_at.with_timezone(&chrono::Utc))
                     .to_std()
@@ -532,6 +548,7 @@ fn failure(settings: &RelaySettings, origin: &Origin, error: &PublishError) -> F
 fn plan(
     router: &Router,
     publisher: &Publisher,
+    book: &StreamBook,
     settings: &RelaySettings,
     rows: Vec<ClaimedEvent>,
     lease: &LeaseRef,
@@ -615,6 +632,7 @@ fn plan(
         aggregates.insert(key, Some(stream.clone()));
         let idx = *stream_index.entry(stream.clone()).or_insert_with(|| {
             plan.batches.push(StreamBatch {
+                known: book.is_known(&stream),
                 stream,
                 partition: lease.partition,
                 epoch: fence_epoch(lease.epoch),

@@ -4,9 +4,12 @@
 
 pub mod backoff;
 pub mod batch;
+pub mod housekeeping;
 pub mod node;
 pub mod partition;
 pub mod ratelimit;
+pub mod redis_loss;
 pub mod route;
+pub mod streams;
 pub mod supervisor;
 pub mod wakeup;

@@ -10,12 +10,15 @@ use actix::prelude::*;
 use tokio::sync::oneshot;
 
 use super::batch::{LeaseDeadline, RelaySettings, Shared, Worker};
+use super::housekeeping;
 use super::ratelimit::RateLimits;
+use super::redis_loss;
 use super::route::Router;
+use super::streams::StreamBook;
 use super::supervisor::{Health, NodeSupervisor, OwnedPartitions, Shutdown, SupervisorSettings};
 use super::wakeup::WakePolicy;
 use crate::config::Config;
-use crate::publish::{PublishError, Publisher, RedisSettings};
+use crate::publish::{PersistenceConfig, PublishError, Publisher, RedisSettings, ServerFacts};
 use crate::store::{ConnectSettings, NodeInfo, Store, StoreError};
 
 /// Why a node could not start.
@@ -30,6 +33,10 @@ pub enum NodeError {
     /// Redis could not be reached.
     #[error("redis: {0}")]
     Redis(#[from] PublishError),
+    /// Redis is configured in a way that can lose acknowledged entries, and the configuration
+    /// says to refuse it.
+    #[error("{0}")]
+    Preflight(String),
     /// The admin endpoint could not listen.
     #[error("cannot listen on admin.listen {addr}: {source}")]
     Bind {
@@ -199,6 +206,8 @@ async fn boot(config: Config) -> Result<Booted, NodeError> {
         return Err(NodeError::Store(StoreError::NotMigrated));
     }
     let publisher = Publisher::connect(&redis).await?;
+    let refuse_eviction = config.redis.maxmemory_policy_check == crate::config::REFUSE;
+    let facts = preflight(&publisher, refuse_eviction).await?;
     store
         .register_node(&NodeInfo {
             node_id: node_id.clone(),
@@ -221,7 +230,28 @@ async fn boot(config: Config) -> Result<Booted, NodeError> {
             max_payload_bytes: config.producer.max_payload_bytes,
         },
         deadline: LeaseDeadline::new(),
+        streams: StreamBook::default(),
     });
+    // Streams written before are known from the start, so a Redis that lost them is noticed at
+    // the first append; then the same check the supervisor runs when the run id changes.
+    redis_loss::load_known(&store, &shared.streams).await?;
+    let window = config.retention.republish_window_secs;
+    let checked = redis_loss::check(
+        &store,
+        &publisher,
+        &shared.streams,
+        &facts.0.run_id,
+        false,
+        window,
+    )
+    .await;
+    let checked_run_id = match checked {
+        Ok(_) => Some(facts.0.run_id.clone()),
+        Err(e) => {
+            tracing::warn!(error = %e, "checking Redis for lost streams failed; retrying at the next heartbeat");
+            None
+        }
+    };
 
     // Worker arbiters, each with its own pool and Redis connection created on its own thread.
     let mut workers = Vec::with_capacity(workers_n);
@@ -254,6 +284,7 @@ async fn boot(config: Config) -> Result<Booted, NodeError> {
     }
 
     let health = Arc::new(Health::default());
+    health.set_redis(facts.0, Some(facts.1), refuse_eviction);
     let restarts = Arc::new(AtomicU64::new(0));
     let settings = SupervisorSettings {
         node_id: node_id.clone(),
@@ -270,16 +301,33 @@ async fn boot(config: Config) -> Result<Booted, NodeError> {
         ),
         shutdown_timeout: config.relay.shutdown_timeout(),
         database_url: db_url.clone(),
+        republish_window_secs: window,
+        refuse_eviction,
+        checked_run_id,
     };
     let supervisor = NodeSupervisor::new(
         settings,
         store.clone(),
         publisher.clone(),
         workers,
+        shared.clone(),
         health.clone(),
         restarts.clone(),
     )
     .start();
+
+    let retention = config.retention.clone();
+    if retention.enabled {
+        actix::spawn(housekeeping::janitor(store.clone(), retention.clone()));
+    }
+    if retention.trim_streams {
+        actix::spawn(housekeeping::trimmer(
+            store.clone(),
+            publisher.clone(),
+            retention,
+        ));
+    }
+    actix::spawn(housekeeping::storage_metrics(store.clone()));
 
     let listen = config
         .admin
@@ -298,4 +346,45 @@ async fn boot(config: Config) -> Result<Booted, NodeError> {
         restarts,
         admin_addr,
     })
+}
+
+/// Checks, before the node starts, that Redis keeps what it acknowledges: a `maxmemory-policy`
+/// that may evict keys is refused (or warned about, by `redis.maxmemory_policy_check`), and the
+/// persistence settings are logged.
+async fn preflight(
+    publisher: &Publisher,
+    refuse_eviction: bool,
+) -> Result<(ServerFacts, PersistenceConfig), NodeError> {
+    let facts = publisher.server_facts().await?;
+    let persistence = publisher.persistence_config().await;
+    tracing::info!(
+        version = %facts.version,
+        run_id = %facts.run_id,
+        maxmemory_policy = %facts.maxmemory_policy,
+        appendonly = facts.aof_enabled,
+        appendfsync = persistence.appendfsync.as_deref().unwrap_or("unknown"),
+        save = persistence.save.as_deref().unwrap_or("unknown"),
+        "Redis"
+    );
+    if !facts.aof_enabled {
+        tracing::warn!(
+            "Redis runs without append-only persistence: a restart loses the streams; Outpost \
+             notices and re-publishes retention.republish_window_secs, older events are lost to \
+             consumers that had not read them (set appendonly yes)"
+        );
+    }
+    if facts.may_evict() {
+        let message = format!(
+            "Redis maxmemory-policy is {:?}: under memory pressure Redis may evict a stream and \
+             its acknowledged entries; set `maxmemory-policy noeviction` on Redis (Outpost backs \
+             off while Redis answers OOM), or set redis.maxmemory_policy_check = \"warn\" to run \
+             anyway",
+            facts.maxmemory_policy
+        );
+        if refuse_eviction {
+            return Err(NodeError::Preflight(message));
+        }
+        tracing::warn!("{message}");
+    }
+    Ok((facts, persistence))
 }

@@ -25,11 +25,11 @@ use actix::prelude::*;
 use metrics::{counter, gauge};
 use tokio::sync::oneshot;
 
-use super::batch::Worker;
+use super::batch::{Shared, Worker};
 use super::partition::{PartitionActor, PartitionReport, Stop, Wake};
 use super::wakeup::{Action, WakePolicy, Wakeup};
 use crate::metrics as m;
-use crate::publish::Publisher;
+use crate::publish::{PersistenceConfig, Publisher, ServerFacts};
 use crate::store::{Lease, LeaseRef, LeaseTick, Nudge, NudgeListener, Store};
 
 /// What readiness and liveness report; updated by the supervisor.
@@ -43,14 +43,41 @@ pub struct Health {
     pub running: AtomicBool,
     /// Leases held.
     pub leases: AtomicU64,
+    /// Redis may evict keys and `redis.maxmemory_policy_check` says to refuse that.
+    pub eviction_refused: AtomicBool,
+    /// What Redis said about itself at the last heartbeat, and its persistence settings.
+    pub redis_server: std::sync::Mutex<Option<(ServerFacts, PersistenceConfig)>>,
 }
 
 impl Health {
-    /// Ready to do work: database and Redis reachable, supervisor running.
+    /// Ready to do work: database and Redis reachable, Redis not allowed to evict keys (unless
+    /// only warned about), supervisor running.
     pub fn ready(&self) -> bool {
         self.database.load(Ordering::Relaxed)
             && self.redis.load(Ordering::Relaxed)
             && self.running.load(Ordering::Relaxed)
+            && !self.eviction_refused.load(Ordering::Relaxed)
+    }
+
+    /// Records what Redis said about itself; `persistence` is kept from before when `None`.
+    pub fn set_redis(
+        &self,
+        facts: ServerFacts,
+        persistence: Option<PersistenceConfig>,
+        refuse_eviction: bool,
+    ) {
+        self.eviction_refused
+            .store(refuse_eviction && facts.may_evict(), Ordering::Relaxed);
+        gauge!(m::REDIS_MAY_EVICT).set(f64::from(u8::from(facts.may_evict())));
+        gauge!(m::REDIS_AOF).set(f64::from(u8::from(facts.aof_enabled)));
+        let mut slot = self
+            .redis_server
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let persistence = persistence
+            .or_else(|| slot.take().map(|(_, p)| p))
+            .unwrap_or_default();
+        *slot = Some((facts, persistence));
     }
 }
 
@@ -71,6 +98,13 @@ pub struct SupervisorSettings {
     pub shutdown_timeout: Duration,
     /// URL for the LISTEN connection.
     pub database_url: String,
+    /// `retention.republish_window_secs`.
+    pub republish_window_secs: u64,
+    /// `redis.maxmemory_policy_check = "refuse"`.
+    pub refuse_eviction: bool,
+    /// The Redis run id already checked for lost streams at start (`None`: check at the first
+    /// heartbeat).
+    pub checked_run_id: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -116,6 +150,7 @@ pub struct NodeSupervisor {
     store: Store,
     publisher: Publisher,
     workers: Vec<(ArbiterHandle, Worker)>,
+    shared: Arc<Shared>,
     slots: BTreeMap<i32, Slot>,
     wake: Wakeup,
     poll_timer: Option<SpawnHandle>,
@@ -127,6 +162,10 @@ pub struct NodeSupervisor {
     to_release: Vec<Lease>,
     worked_since_backlog: bool,
     last_backlog: Instant,
+    /// The Redis run id whose streams were last checked (see [`super::redis_loss`]).
+    checked_run_id: Option<String>,
+    /// A check of Redis's streams or a recording of positions is under way.
+    watching: bool,
 }
 
 impl std::fmt::Debug for NodeSupervisor {
@@ -145,15 +184,20 @@ impl NodeSupervisor {
         store: Store,
         publisher: Publisher,
         workers: Vec<(ArbiterHandle, Worker)>,
+        shared: Arc<Shared>,
         health: Arc<Health>,
         restarts: Arc<AtomicU64>,
     ) -> Self {
         let wake = Wakeup::new(settings.wake, Instant::now());
+        let checked_run_id = settings.checked_run_id.clone();
         Self {
             settings,
             store,
             publisher,
             workers,
+            shared,
+            checked_run_id,
+            watching: false,
             slots: BTreeMap::new(),
             wake,
             poll_timer: None,
@@ -255,7 +299,11 @@ impl NodeSupervisor {
             .copied()
             .collect();
         for p in lost {
-            tracing::warn!(partition = p, "lease taken over by another node");
+            tracing::warn!(
+                partition = p,
+                "lease taken over by another node (or its epoch moved by a recovery from a Redis \
+                 data loss)"
+            );
             self.slots.remove(&p);
         }
         // Leases the database still gives this node but no actor serves (an actor that retired
@@ -393,13 +441,16 @@ impl NodeSupervisor {
         let started = Instant::now();
         ctx.spawn(
             async move {
-                let redis_ok = publisher.ping().await.is_ok();
-                (store.lease_tick(&node, lease_ms, lease_ms).await, redis_ok)
+                let facts = publisher.server_facts().await;
+                (store.lease_tick(&node, lease_ms, lease_ms).await, facts)
             }
             .into_actor(self)
-            .map(move |(res, redis_ok), act, ctx| {
+            .map(move |(res, facts), act, ctx| {
                 act.ticking = false;
-                act.health.redis.store(redis_ok, Ordering::Relaxed);
+                act.health.redis.store(facts.is_ok(), Ordering::Relaxed);
+                if let Ok(facts) = facts {
+                    act.watch_redis(facts, ctx);
+                }
                 match res {
                     Ok(tick) => {
                         act.health.database.store(true, Ordering::Relaxed);
@@ -417,6 +468,66 @@ impl NodeSupervisor {
                     }
                 }
                 act.refresh_backlog(ctx);
+            }),
+        );
+    }
+
+    /// After each heartbeat: when Redis has a run id not yet checked, or a batch found a known
+    /// stream's fence missing, checks every recorded stream and recovers from a data loss
+    /// ([`super::redis_loss::check`]); otherwise records the stream positions noted since the
+    /// last heartbeat (one statement, only while publishing). One at a time.
+    fn watch_redis(&mut self, facts: ServerFacts, ctx: &mut Context<Self>) {
+        let run_id = facts.run_id.clone();
+        self.health
+            .set_redis(facts, None, self.settings.refuse_eviction);
+        if self.watching {
+            return;
+        }
+        let lost = self.shared.streams.take_lost();
+        let check = lost || self.checked_run_id.as_deref() != Some(run_id.as_str());
+        self.watching = true;
+        let (store, publisher, shared) = (
+            self.store.clone(),
+            self.publisher.clone(),
+            self.shared.clone(),
+        );
+        let window = self.settings.republish_window_secs;
+        ctx.spawn(
+            async move {
+                if check {
+                    super::redis_loss::check(
+                        &store,
+                        &publisher,
+                        &shared.streams,
+                        &run_id,
+                        lost,
+                        window,
+                    )
+                    .await
+                    .map(|w| Some((run_id, w)))
+                } else {
+                    super::redis_loss::record_positions(&store, &shared.streams)
+                        .await
+                        .map(|()| None)
+                        .map_err(Into::into)
+                }
+            }
+            .into_actor(self)
+            .map(move |res, act, _ctx| {
+                act.watching = false;
+                match res {
+                    Ok(Some((run_id, watch))) => {
+                        tracing::debug!(?watch, "Redis streams checked");
+                        act.checked_run_id = Some(run_id);
+                    }
+                    Ok(None) => {}
+                    Err(e) => {
+                        if lost {
+                            act.shared.streams.flag_lost();
+                        }
+                        tracing::warn!(error = %e, "checking or recording Redis streams failed; retrying at the next heartbeat");
+                    }
+                }
             }),
         );
     }
@@ -642,7 +753,11 @@ impl NodeSupervisor {
                             let paused = current.is_some_and(|l| l.paused);
                             act.start_actor(Lease { partition: p, epoch, paused }, ctx);
                         }
-                        Ok(_) => tracing::warn!(partition = p, "partition taken over by another node"),
+                        Ok(_) => tracing::warn!(
+                            partition = p,
+                            "partition taken over by another node (or its epoch moved by a \
+                             recovery from a Redis data loss)"
+                        ),
                         Err(e) => tracing::warn!(error = %e, partition = p, "checking a fenced lease failed"),
                     }
                     act.update_gauges();

@@ -7,7 +7,10 @@
 
 mod entry;
 mod error;
+mod recover;
 mod script;
+mod server;
+mod trim;
 
 use std::time::Duration;
 
@@ -16,6 +19,15 @@ use redis::{Client, Value};
 
 pub use entry::{Message, entry_fields, field};
 pub use error::{ErrorClass, PublishError, classify_code};
+pub use recover::StreamPosition;
+pub use server::{PersistenceConfig, ServerFacts};
+pub use trim::{TrimReport, TrimRule};
+
+/// A stream entry id `ms-seq` as numbers, ordered as Redis orders them.
+pub fn parse_entry_id(id: &str) -> Option<(i64, i64)> {
+    let (ms, seq) = id.split_once('-')?;
+    Some((ms.parse().ok()?, seq.parse().ok()?))
+}
 
 /// An epoch that skips the Redis fence. Only the `fence-off` fault point uses it.
 pub const UNFENCED: i64 = -1;
@@ -30,6 +42,9 @@ pub struct StreamBatch {
     pub partition: i32,
     /// The partition's lease epoch (the fencing token).
     pub epoch: i64,
+    /// The stream was written before (by any node, as far as this node knows): its fence hash
+    /// must exist, or Redis lost its data and nothing is appended ([`StreamOutcome::Lost`]).
+    pub known: bool,
     /// The entries' fields, one `Vec` of `(name, value)` per entry.
     pub entries: Vec<Vec<(&'static str, String)>>,
 }
@@ -44,6 +59,9 @@ pub enum StreamOutcome {
         /// The epoch found at Redis.
         current: i64,
     },
+    /// The stream is known to have been written, but its fence hash is gone: Redis lost its data
+    /// (restarted empty, failed over to a replica without it, evicted it). Nothing appended.
+    Lost,
     /// The first `ids.len()` entries were appended, then Redis refused the next one.
     Failed {
         /// Ids of the entries appended before the failure.
@@ -155,6 +173,7 @@ impl Publisher {
                 &b.stream,
                 b.partition,
                 b.epoch,
+                b.known,
                 &b.entries,
             ));
         }

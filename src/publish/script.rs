@@ -4,17 +4,23 @@ use redis::{Cmd, Value};
 
 use super::{PublishError, StreamOutcome};
 
-/// KEYS[1]: fence hash, KEYS[2]: stream. ARGV[1]: partition, ARGV[2]: epoch, then per entry:
+/// KEYS[1]: fence hash, KEYS[2]: stream. ARGV[1]: partition, ARGV[2]: epoch, ARGV[3]: `1` when
+/// the stream is known to have been written before (its fence hash must exist), then per entry:
 /// the number of arguments that follow for it, then `field value ...`.
 ///
 /// A negative epoch skips the fence entirely (only the `fence-off` fault point sends one, to show in
 /// tests what the fence prevents).
 ///
-/// Returns `{'fenced', current}` when a newer epoch is recorded; otherwise
-/// `{'ok', id...}`, or `{'error', message, id...}` when an `XADD` was refused after the listed
-/// ids were appended.
+/// Returns `{'lost'}` when a known stream has no fence hash (Redis lost its data: nothing is
+/// appended until the loss is handled), `{'fenced', current}` when a newer epoch is recorded;
+/// otherwise `{'ok', id...}`, or `{'error', message, id...}` when an `XADD` was refused after the
+/// listed ids were appended.
 const LUA: &str = r"
-local current = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
+local fence = redis.call('HGET', KEYS[1], ARGV[1])
+if not fence and ARGV[3] == '1' and redis.call('EXISTS', KEYS[1]) == 0 then
+  return {'lost'}
+end
+local current = tonumber(fence or '0')
 local epoch = tonumber(ARGV[2])
 if epoch >= 0 and current > epoch then
   return {'fenced', tostring(current)}
@@ -23,7 +29,7 @@ if current < epoch then
   redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 end
 local out = {'ok'}
-local i = 3
+local i = 4
 while i <= #ARGV do
   local n = tonumber(ARGV[i])
   local r = redis.pcall('XADD', KEYS[2], '*', unpack(ARGV, i + 1, i + n))
@@ -48,6 +54,7 @@ pub(super) fn call(
     stream: &str,
     partition: i32,
     epoch: i64,
+    known: bool,
     entries: &[Vec<(&'static str, String)>],
 ) -> Cmd {
     let mut cmd = redis::cmd("EVALSHA");
@@ -56,7 +63,8 @@ pub(super) fn call(
         .arg(fence)
         .arg(stream)
         .arg(partition)
-        .arg(epoch);
+        .arg(epoch)
+        .arg(if known { "1" } else { "0" });
     for fields in entries {
         cmd.arg(fields.len() * 2);
         for (name, value) in fields {
@@ -77,7 +85,7 @@ pub(super) async fn load<C: redis::aio::ConnectionLike>(c: &mut C) -> Result<(),
     Ok(())
 }
 
-fn text(v: &Value) -> Option<String> {
+pub(super) fn text(v: &Value) -> Option<String> {
     match v {
         Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
         Value::SimpleString(s) => Some(s.clone()),
@@ -96,6 +104,7 @@ pub(super) fn parse_reply(v: Value) -> Result<StreamOutcome, PublishError> {
     let mut it = items.iter();
     match it.next().and_then(text).as_deref() {
         Some("ok") => Ok(StreamOutcome::Published(it.filter_map(text).collect())),
+        Some("lost") => Ok(StreamOutcome::Lost),
         Some("fenced") => {
             let current = it
                 .next()

@@ -129,6 +129,32 @@ impl Store {
         self.checkpoint().await
     }
 
+    /// Marks every row published `secs` seconds ago (`outpost bench retention`: old rows for the
+    /// janitor to delete).
+    pub async fn age_as_published(&self, secs: u64) -> Result<u64, StoreError> {
+        let res = self
+            .connection()
+            .execute_raw(super::stmt(
+                "UPDATE outpost_event SET status = 'published', stream_id = '0-0', \
+                   published_at = now() - $1 * interval '1 second'",
+                [i64::try_from(secs).unwrap_or(i64::MAX).into()],
+            ))
+            .await
+            .map_err(StoreError::from_db)?;
+        Ok(res.rows_affected())
+    }
+
+    /// Rows in the outbox (a scan: for benchmarks on small tables).
+    pub async fn outbox_rows(&self) -> Result<i64, StoreError> {
+        let row = self
+            .connection()
+            .query_one_raw(super::stmt("SELECT count(*) FROM outpost_event", []))
+            .await
+            .map_err(StoreError::from_db)?
+            .ok_or_else(|| StoreError::Corrupt("count returned no row".to_owned()))?;
+        row.try_get_by_index(0).map_err(StoreError::from_db)
+    }
+
     /// `VACUUM ANALYZE outpost_event` (hint bits and visibility map set, fresh statistics) and a
     /// checkpoint, so that a preloaded backlog is in the same state for every drain.
     pub async fn vacuum_analyze_outbox(&self) -> Result<(), StoreError> {

@@ -15,6 +15,7 @@ mod lease;
 mod listen;
 mod migrate;
 mod node;
+mod retention;
 mod sql;
 mod status;
 
@@ -32,6 +33,7 @@ pub use lease::{Lease, LeaseTick};
 pub use listen::{Nudge, NudgeListener, WAKEUP_CHANNEL};
 pub use migrate::{MigrationState, migrate_down, migrate_status, migrate_up};
 pub use node::NodeInfo;
+pub use retention::{Expiry, JANITOR_LOCK, Recovery, RedisRecord, StorageFigures, StreamRecord};
 pub use status::{Backlog, NodeStatus, PartitionBacklog, StatusCount, backlog};
 
 /// How a pool is opened: the URL and the knobs an operator may tune.

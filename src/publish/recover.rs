@@ -1,0 +1,104 @@
+//! Reading what Redis still holds of the streams Outpost wrote, and re-creating their fences
+//! after Redis lost its data.
+
+use redis::Value;
+
+use super::{PublishError, Publisher, parse_entry_id};
+
+/// What Redis holds of one stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StreamPosition {
+    /// The stream's fence hash exists. Outpost creates it with the stream's first entry and never
+    /// deletes it, so a missing fence means Redis lost the stream's data.
+    pub fence: bool,
+    /// The stream's `last-generated-id` (survives trimming), `None` when the stream is missing.
+    pub last: Option<(i64, i64)>,
+}
+
+/// KEYS[1]: fence hash. ARGV: partition, epoch, … Raises each partition's fence to at least the
+/// given epoch (never lowers one).
+const RAISE_FENCES: &str = r"
+for i = 1, #ARGV, 2 do
+  local current = tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '0')
+  if current < tonumber(ARGV[i + 1]) then
+    redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
+  end
+end
+return 1
+";
+
+impl Publisher {
+    /// Where each stream stands: its fence and its last generated id, one pipelined call.
+    pub async fn stream_positions(
+        &self,
+        streams: &[String],
+    ) -> Result<Vec<StreamPosition>, PublishError> {
+        if streams.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut pipe = redis::pipe();
+        pipe.ignore_errors();
+        for s in streams {
+            pipe.cmd("EXISTS").arg(self.fence_key(s));
+            pipe.cmd("XINFO").arg("STREAM").arg(s);
+        }
+        let mut c = self.conn.clone();
+        let replies: Vec<redis::RedisResult<Value>> = pipe
+            .query_async(&mut c)
+            .await
+            .map_err(PublishError::from_redis)?;
+        let mut out = Vec::with_capacity(streams.len());
+        for pair in replies.chunks(2) {
+            let fence = match pair.first() {
+                Some(Ok(Value::Int(n))) => *n > 0,
+                Some(Err(e)) => return Err(PublishError::from_redis(e.clone())),
+                _ => false,
+            };
+            // A missing stream answers "ERR no such key".
+            let last = match pair.get(1) {
+                Some(Ok(v)) => last_generated_id(v),
+                _ => None,
+            };
+            out.push(StreamPosition { fence, last });
+        }
+        Ok(out)
+    }
+
+    /// Raises the fences of `streams` to at least `epochs` (partition, epoch): after a data loss
+    /// this re-creates them, so batches still carrying an epoch from before are refused.
+    pub async fn raise_fences(
+        &self,
+        streams: &[String],
+        epochs: &[(i32, i64)],
+    ) -> Result<(), PublishError> {
+        let script = redis::Script::new(RAISE_FENCES);
+        let mut c = self.conn.clone();
+        for s in streams {
+            let mut call = script.key(self.fence_key(s));
+            for (p, e) in epochs {
+                call.arg(*p).arg(*e);
+            }
+            let _: i64 = call
+                .invoke_async(&mut c)
+                .await
+                .map_err(PublishError::from_redis)?;
+        }
+        Ok(())
+    }
+}
+
+fn last_generated_id(v: &Value) -> Option<(i64, i64)> {
+    let pairs: Vec<(&Value, &Value)> = match v {
+        Value::Array(items) => items
+            .chunks(2)
+            .filter_map(|c| Some((c.first()?, c.get(1)?)))
+            .collect(),
+        Value::Map(m) => m.iter().map(|(k, v)| (k, v)).collect(),
+        _ => return None,
+    };
+    pairs.into_iter().find_map(|(k, v)| {
+        (super::script::text(k).as_deref() == Some("last-generated-id"))
+            .then(|| super::script::text(v).and_then(|s| parse_entry_id(&s)))
+            .flatten()
+    })
+}
