@@ -6,6 +6,8 @@
 
 mod support;
 
+use support::consumer;
+
 use std::collections::HashSet;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -268,6 +270,14 @@ async fn redis_restarted_empty_is_noticed_and_the_window_republished() {
     let mut conn = own.conn().await;
     let config = relay_config_with(&db, &own.url(), "o:", "loss-node", &[]);
     let node = support::start_node(config).await;
+    // A consumer applies every event through the helper, before, across and after the loss.
+    consumer::create_effects(&db).await;
+    let applier = consumer::Running::start(
+        consumer::settings_at(&own.url(), "o:", "o:events:kind0", "audit", "c1"),
+        &db,
+        consumer::recorder("c1"),
+    )
+    .await;
 
     let stop = Arc::new(AtomicBool::new(false));
     let writing = writers(&db, stop.clone());
@@ -313,6 +323,19 @@ async fn redis_restarted_empty_is_noticed_and_the_window_republished() {
         d.order_violations()
     );
     assert_all_published(&db).await;
+
+    // The consumer ends with every committed event applied once, in order: none lost.
+    wait_until(
+        60,
+        "the consumer to apply every committed event",
+        || async { consumer::applied(&db).await >= committed.len() as i64 },
+    )
+    .await;
+    let stats = applier.stop().await;
+    let result = consumer::check(&db, &consumer::outbox_expectation(&db).await).await;
+    assert!(result.is_clean(), "consumer after the loss: {result:?}");
+    assert_eq!(result.applied, committed.len());
+    println!("consumer across the loss: {stats:?}");
     node.shutdown().await;
 }
 

@@ -100,12 +100,10 @@ impl Handler for Recorder {
         if self.retry.contains(&event.event_type) {
             return Err(HandlerError::retry("a dependency is down"));
         }
-        #[derive(serde::Deserialize)]
-        struct Payload {
-            seq: i64,
+        let p: serde_json::Value = event.payload()?;
+        if let Some(seq) = p.get("seq") {
+            assert_eq!(seq, event.aggregate_seq, "payload matches the entry");
         }
-        let p: Payload = event.payload()?;
-        assert_eq!(p.seq, event.aggregate_seq, "payload matches the entry");
         txn.execute_raw(Statement::from_sql_and_values(
             DbBackend::Postgres,
             "INSERT INTO consumer_effect (aggregate, seq, event_id, consumer) \
@@ -124,8 +122,19 @@ impl Handler for Recorder {
 
 /// Settings for a test consumer: short claim and hold times, the test's key prefix.
 pub fn settings(redis: &TestRedis, stream: &str, group: &str, name: &str) -> ConsumerSettings {
-    let mut s = ConsumerSettings::new(redis_url(), stream, group);
-    s.key_prefix = redis.prefix.clone();
+    settings_at(&redis_url(), &redis.prefix, stream, group, name)
+}
+
+/// [`settings`] for any Redis and key prefix.
+pub fn settings_at(
+    url: &str,
+    prefix: &str,
+    stream: &str,
+    group: &str,
+    name: &str,
+) -> ConsumerSettings {
+    let mut s = ConsumerSettings::new(url, stream, group);
+    s.key_prefix = prefix.to_owned();
     s.consumer = name.to_owned();
     s.block = Duration::from_millis(200);
     s.claim_idle = Duration::from_secs(1);
@@ -252,4 +261,24 @@ pub fn recorder(name: &str) -> Recorder {
         name: name.to_owned(),
         ..Recorder::default()
     }
+}
+
+/// Every event in the outbox, as the checker's expectation: aggregate id → sequences.
+pub async fn outbox_expectation(db: &TestDb) -> BTreeMap<String, Vec<i64>> {
+    let rows = db
+        .store
+        .connection()
+        .query_all_raw(Statement::from_string(
+            DbBackend::Postgres,
+            "SELECT aggregate_id, aggregate_seq FROM outpost_event ORDER BY aggregate_id, aggregate_seq",
+        ))
+        .await
+        .expect("read the outbox");
+    let mut out: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    for r in rows {
+        out.entry(r.try_get_by_index(0).expect("aggregate_id"))
+            .or_default()
+            .push(r.try_get_by_index(1).expect("aggregate_seq"));
+    }
+    out
 }
