@@ -107,6 +107,15 @@ pub struct RelayBench {
     /// Length of the idle window.
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
     idle_secs: u64,
+    /// Nodes draining the backlog together, one drain per value (e.g. `1,2,3`); the first
+    /// value's rate is the one the bare loop is compared with.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_values_t = [1u32],
+        value_parser = clap::value_parser!(u32).range(1..=8)
+    )]
+    nodes: Vec<u32>,
     /// Run one part only (default: all, in order).
     #[arg(long, value_enum)]
     only: Option<Part>,
@@ -182,7 +191,10 @@ impl Bench<'_> {
         let wants = |p: Part| self.args.only.is_none_or(|o| o == p);
         let mut drained = None;
         if wants(Part::Drain) {
-            drained = Some(self.drain().await?);
+            for &n in &self.args.nodes {
+                let rate = self.drain(n).await?;
+                drained = drained.or(Some(rate));
+            }
         }
         if wants(Part::Baseline) {
             self.baseline(drained).await?;
@@ -244,11 +256,13 @@ impl Bench<'_> {
     // ---------------------------------------------------------------------------------------
     // Part 1: drain
 
-    async fn drain(&self) -> anyhow::Result<f64> {
+    async fn drain(&self, nodes: u32) -> anyhow::Result<f64> {
         let args = self.args;
         println!();
         println!(
-            "== drain: a node publishes a preloaded backlog (relay.delete_published = {})",
+            "== drain: {nodes} node{} publish{} a preloaded backlog (relay.delete_published = {})",
+            if nodes == 1 { "" } else { "s" },
+            if nodes == 1 { "es" } else { "" },
             args.delete_published
         );
         self.preload().await?;
@@ -257,7 +271,23 @@ impl Bench<'_> {
         let hwm_reset = reset_peak_rss();
         let before = self.snapshot().await;
         let started = Instant::now();
-        let node = self.start_node(args.delete_published).await?;
+        let mut running = Vec::new();
+        for i in 0..nodes {
+            let id = if nodes == 1 {
+                NODE_ID.to_owned()
+            } else {
+                format!("{NODE_ID}-{i}")
+            };
+            match self.start_node_as(&id, args.delete_published).await {
+                Ok(n) => running.push(n),
+                Err(e) => {
+                    for n in running {
+                        n.shutdown().await;
+                    }
+                    return Err(e);
+                }
+            }
+        }
         let measured = async {
             let mut owned_after = None;
             let pattern = format!("{}*", self.prefix);
@@ -265,10 +295,14 @@ impl Bench<'_> {
             let mut progress = (Instant::now(), 0u64);
             loop {
                 tokio::time::sleep(DRAIN_POLL).await;
-                if owned_after.is_none()
-                    && node.owned_partitions().await.len() >= self.partitions as usize
-                {
-                    owned_after = Some(started.elapsed());
+                if owned_after.is_none() {
+                    let mut owned = 0;
+                    for n in &running {
+                        owned += n.owned_partitions().await.len();
+                    }
+                    if owned >= self.partitions as usize {
+                        owned_after = Some(started.elapsed());
+                    }
                 }
                 if !self.store.has_unpublished().await? {
                     break;
@@ -300,7 +334,9 @@ impl Bench<'_> {
             Ok::<_, anyhow::Error>((elapsed, owned_after, after))
         }
         .await;
-        node.shutdown().await;
+        for n in running {
+            n.shutdown().await;
+        }
         let (elapsed, owned_after, after) = measured?;
         let hwm_after = proc_status_kib("VmHWM");
         let rss_after = proc_status_kib("VmRSS");
@@ -628,10 +664,15 @@ impl Bench<'_> {
 
     /// Starts a node on the scratch database, under the benchmark's Redis prefix.
     async fn start_node(&self, delete_published: bool) -> anyhow::Result<NodeHandle> {
+        self.start_node_as(NODE_ID, delete_published).await
+    }
+
+    /// Starts a node named `id`.
+    async fn start_node_as(&self, id: &str, delete_published: bool) -> anyhow::Result<NodeHandle> {
         let mut cfg = self.config.clone();
         cfg.database.url = Some(Secret::new(self.url.clone()));
         cfg.redis.key_prefix = self.prefix.clone();
-        cfg.node.id = NODE_ID.to_owned();
+        cfg.node.id = id.to_owned();
         cfg.admin.listen = "127.0.0.1:0".to_owned();
         cfg.relay.delete_published = delete_published;
         if delete_published {
