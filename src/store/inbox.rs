@@ -46,26 +46,44 @@ pub async fn lock_position<C: ConnectionTrait>(
     aggregate_id: &str,
     event_id: Uuid,
 ) -> Result<InboxPosition, StoreError> {
-    let row = txn
-        .query_one_raw(stmt(
-            "WITH pos AS ( \
-               INSERT INTO outpost_consumer_position AS p \
-                 (consumer_group, aggregate_type, aggregate_id) VALUES ($1, $2, $3) \
-               ON CONFLICT (consumer_group, aggregate_type, aggregate_id) \
-               DO UPDATE SET last_seq = p.last_seq RETURNING p.last_seq) \
-             SELECT pos.last_seq, EXISTS (SELECT 1 FROM outpost_inbox \
-                                          WHERE consumer_group = $1 AND event_id = $4) \
-             FROM pos",
+    // The common case is an aggregate the group has seen: lock its row (a waiting member reads
+    // the row as the one before it committed it). Only the first event of an aggregate creates
+    // the row, then locks it the same way.
+    let select = || {
+        stmt(
+            "SELECT p.last_seq, EXISTS (SELECT 1 FROM outpost_inbox \
+                                        WHERE consumer_group = $1 AND event_id = $4) \
+             FROM outpost_consumer_position p \
+             WHERE p.consumer_group = $1 AND p.aggregate_type = $2 AND p.aggregate_id = $3 \
+             FOR UPDATE OF p",
             [
                 group.into(),
                 aggregate_type.into(),
                 aggregate_id.into(),
                 event_id.into(),
             ],
+        )
+    };
+    let mut row = txn
+        .query_one_raw(select())
+        .await
+        .map_err(StoreError::from_db)?;
+    if row.is_none() {
+        txn.execute_raw(stmt(
+            "INSERT INTO outpost_consumer_position (consumer_group, aggregate_type, aggregate_id) \
+             VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
+            [group.into(), aggregate_type.into(), aggregate_id.into()],
         ))
         .await
-        .map_err(StoreError::from_db)?
-        .ok_or_else(|| StoreError::Corrupt("consumer position upsert returned no row".into()))?;
+        .map_err(StoreError::from_db)?;
+        row = txn
+            .query_one_raw(select())
+            .await
+            .map_err(StoreError::from_db)?;
+    }
+    let row = row.ok_or_else(|| {
+        StoreError::Corrupt("a consumer position vanished while being created".into())
+    })?;
     Ok(InboxPosition {
         last_seq: row.try_get_by_index(0).map_err(StoreError::from_db)?,
         seen: row.try_get_by_index(1).map_err(StoreError::from_db)?,
