@@ -275,3 +275,112 @@ async fn a_node_stopped_past_its_lease_comes_back_without_loss_or_order_violatio
     let _ = a.wait();
     b.shutdown().await;
 }
+
+/// libfaketime, from Debian's `faketime` package (`.ci/run` installs it).
+const FAKETIME_LIB: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1";
+
+/// Starts a node as a process whose clocks run `shift` (e.g. `+10m`) off the real time.
+fn spawn_skewed(db: &TestDb, redis: &TestRedis, id: &str, shift: &str) -> std::process::Child {
+    assert!(
+        std::path::Path::new(FAKETIME_LIB).exists(),
+        "{FAKETIME_LIB} is missing: install Debian's faketime package (apt-get install faketime)"
+    );
+    // The shift must really apply to processes here: `date` under the same settings says so.
+    let shifted = std::process::Command::new("date")
+        .arg("+%s")
+        .env("LD_PRELOAD", FAKETIME_LIB)
+        .env("FAKETIME", shift)
+        .output()
+        .unwrap();
+    let shifted: i64 = String::from_utf8_lossy(&shifted.stdout)
+        .trim()
+        .parse()
+        .unwrap();
+    let now = chrono::Utc::now().timestamp();
+    assert!(
+        (shifted - now).abs() >= 590,
+        "faketime did not shift the clock ({shifted} vs {now})"
+    );
+    let args = support::relay_args(db, &support::redis_url(), &redis.prefix, id, &[]);
+    support::spawn_outpost(&args, &[("LD_PRELOAD", FAKETIME_LIB), ("FAKETIME", shift)])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_with_a_skewed_clock_neither_steals_leases_nor_keeps_them() {
+    let db = TestDb::with_pool(8).await;
+    let redis = TestRedis::new();
+    let a = support::start_node(relay_config(&db, &redis, "skew-a")).await;
+    wait_until(30, "a to own every partition", || async {
+        owned(&a).await == 64
+    })
+    .await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = keep_writing(&db, stop.clone());
+
+    for (id, shift) in [("skew-ahead", "+10m"), ("skew-behind", "-10m")] {
+        let owned_by = || {
+            let db = &db;
+            async move {
+                support::scalar(
+                    db,
+                    &format!("SELECT count(*) FROM outpost_partition WHERE owner = '{id}'"),
+                )
+                .await
+            }
+        };
+        let epochs_before = support::scalar(&db, "SELECT sum(epoch)::int8 FROM outpost_partition").await;
+        let mut b = spawn_skewed(&db, &redis, id, shift);
+        // It gets its fair share through a's handover, and never more: a node trusting its own
+        // clock ten minutes ahead would see every lease of a as expired and take them all.
+        let most = std::sync::atomic::AtomicI64::new(0);
+        wait_until(30, "the skewed node to get its fair share", || {
+            let (owned_by, most, a) = (&owned_by, &most, &a);
+            async move {
+                let n = owned_by().await;
+                most.fetch_max(n, Ordering::Relaxed);
+                n == 32 && owned(a).await == 32
+            }
+        })
+        .await;
+        assert_eq!(
+            most.load(Ordering::Relaxed),
+            32,
+            "{id} ({shift}) never held more than its share"
+        );
+        let epochs_after = support::scalar(&db, "SELECT sum(epoch)::int8 FROM outpost_partition").await;
+        assert_eq!(
+            epochs_after - epochs_before,
+            32,
+            "exactly the 32 partitions handed over changed hands, once each"
+        );
+        // Killed, its leases expire by the database clock: a takes them back within the lease
+        // (2 s) plus a heartbeat, not ten minutes later.
+        b.kill().unwrap();
+        b.wait().unwrap();
+        let killed = std::time::Instant::now();
+        wait_until(30, "a to take the dead node's partitions back", || async {
+            owned(&a).await == 64
+        })
+        .await;
+        println!(
+            "{id} ({shift}): takeover after kill -9 in {:?}",
+            killed.elapsed()
+        );
+    }
+
+    stop.store(true, Ordering::Relaxed);
+    let ids = writer.await.unwrap();
+    let mut conn = redis.conn().await;
+    wait_until(120, "every committed event to be delivered", || {
+        let (prefix, mut c, n) = (redis.prefix.clone(), conn.clone(), ids.len());
+        async move { Deliveries::collect(&mut c, &prefix).await.unique() >= n }
+    })
+    .await;
+    let d = Deliveries::collect(&mut conn, &redis.prefix).await;
+    assert!(
+        ids.iter().all(|id| d.copies.contains_key(id)),
+        "nothing lost"
+    );
+    assert!(d.order_violations().is_empty(), "order per aggregate");
+    a.shutdown().await;
+}
