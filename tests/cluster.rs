@@ -67,16 +67,28 @@ async fn nodes_share_partitions_fairly_and_hand_over_without_loss_or_duplicates(
         owned(&a).await == 32 && owned(&b).await == 32
     })
     .await;
-    let c = support::start_node(relay_config(&db, &redis, "node-c")).await;
+    // The third node is an `outpost run` process, stopped below with SIGTERM.
+    let args = support::relay_args(&db, &support::redis_url(), &redis.prefix, "node-c", &[]);
+    let mut c = support::spawn_outpost(&args, &[]);
     wait_until(30, "a, b and c to share the partitions fairly", || async {
-        let (x, y, z) = (owned(&a).await, owned(&b).await, owned(&c).await);
+        let z = support::scalar(
+            &db,
+            "SELECT count(*) FROM outpost_partition WHERE owner = 'node-c'",
+        )
+        .await as usize;
+        let (x, y) = (owned(&a).await, owned(&b).await);
         x + y + z == 64 && [x, y, z].iter().all(|n| (21..=22).contains(n))
     })
     .await;
 
-    // Scale in gracefully: b and c hand their partitions over on shutdown.
+    // Scale in gracefully: b shuts down, c gets SIGTERM; both hand their partitions over.
     b.shutdown().await;
-    c.shutdown().await;
+    signal(&c, "-TERM");
+    let status = support::wait_exit(&mut c, 30).await;
+    assert!(
+        status.success(),
+        "SIGTERM ends the node cleanly: {status:?}"
+    );
     wait_until(30, "a to own every partition again", || async {
         owned(&a).await == 64
     })
@@ -328,7 +340,8 @@ async fn a_node_with_a_skewed_clock_neither_steals_leases_nor_keeps_them() {
                 .await
             }
         };
-        let epochs_before = support::scalar(&db, "SELECT sum(epoch)::int8 FROM outpost_partition").await;
+        let epochs_before =
+            support::scalar(&db, "SELECT sum(epoch)::int8 FROM outpost_partition").await;
         let mut b = spawn_skewed(&db, &redis, id, shift);
         // It gets its fair share through a's handover, and never more: a node trusting its own
         // clock ten minutes ahead would see every lease of a as expired and take them all.
@@ -347,7 +360,8 @@ async fn a_node_with_a_skewed_clock_neither_steals_leases_nor_keeps_them() {
             32,
             "{id} ({shift}) never held more than its share"
         );
-        let epochs_after = support::scalar(&db, "SELECT sum(epoch)::int8 FROM outpost_partition").await;
+        let epochs_after =
+            support::scalar(&db, "SELECT sum(epoch)::int8 FROM outpost_partition").await;
         assert_eq!(
             epochs_after - epochs_before,
             32,
