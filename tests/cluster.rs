@@ -165,6 +165,11 @@ async fn a_killed_node_is_taken_over_without_loss_or_order_violations() {
         owned_by_c().await >= 21
     })
     .await;
+    wait_until(60, "at least 30,000 events through the three nodes", || {
+        let (prefix, mut c) = (redis.prefix.clone(), conn.clone());
+        async move { Deliveries::collect(&mut c, &prefix).await.unique() >= 30_000 }
+    })
+    .await;
     stop.store(true, Ordering::Relaxed);
     let ids = writer.await.unwrap();
     wait_until(120, "every committed event to be delivered", || {
@@ -173,6 +178,7 @@ async fn a_killed_node_is_taken_over_without_loss_or_order_violations() {
     })
     .await;
     let d = Deliveries::collect(&mut conn, &redis.prefix).await;
+    assert!(ids.len() >= 30_000, "{} events written", ids.len());
     assert!(
         ids.iter().all(|id| d.copies.contains_key(id)),
         "nothing lost"
@@ -181,7 +187,11 @@ async fn a_killed_node_is_taken_over_without_loss_or_order_violations() {
         d.order_violations().is_empty(),
         "order per aggregate across the takeover"
     );
-    println!("duplicates from the crash: {}", d.duplicates());
+    println!(
+        "{} events; duplicates from the crash: {}",
+        ids.len(),
+        d.duplicates()
+    );
     let _ = c.kill();
     let _ = c.wait();
     a.shutdown().await;
