@@ -91,9 +91,10 @@ async fn two_members_apply_each_event_once_in_order_despite_duplicates_and_repla
         "both members worked: {sa:?} {sb:?}"
     );
     assert_eq!(sa.processed + sb.processed, want as u64);
-    assert_eq!(
-        (sa.processed + sa.duplicates + sb.processed + sb.duplicates) as usize,
-        total,
+    // Every entry was applied or skipped as a duplicate; one held past the claim time under
+    // load may also be reclaimed by the other member and skipped there.
+    assert!(
+        (sa.processed + sa.duplicates + sb.processed + sb.duplicates) as usize >= total,
         "every entry was either applied or skipped as a duplicate"
     );
     assert!(sa.held + sb.held > 0, "the out-of-order event was held");

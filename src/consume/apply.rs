@@ -10,7 +10,7 @@ use sea_orm::{DatabaseConnection, DatabaseTransaction, TransactionTrait};
 
 use super::stream::GroupStream;
 use super::{Delivery, Handler, HandlerError, OrderMode};
-use crate::store::inbox::{self, InboxOutcome};
+use crate::store::inbox::{self, InboxOutcome, InboxPosition};
 
 /// What became of one delivery.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -64,21 +64,9 @@ pub(crate) struct Applier<H> {
 impl<H: Handler> Applier<H> {
     /// Processes `d`: applies it if it is its aggregate's next event for the group.
     pub async fn process(&self, d: &Delivery) -> Outcome {
-        let txn = match self.db.begin().await {
-            Ok(t) => t,
-            Err(e) => return Outcome::unavailable(e),
-        };
-        let pos = match inbox::lock_position(
-            &txn,
-            &self.group,
-            &d.aggregate_type,
-            &d.aggregate_id,
-            d.event_id,
-        )
-        .await
-        {
-            Ok(p) => p,
-            Err(e) => return rollback(txn, Outcome::unavailable(e)).await,
+        let (txn, pos) = match self.begin_locked(d).await {
+            Ok(locked) => locked,
+            Err(outcome) => return outcome,
         };
         if pos.seen || d.aggregate_seq <= pos.last_seq {
             return rollback(txn, Outcome::Duplicate).await;
@@ -123,18 +111,47 @@ impl<H: Handler> Applier<H> {
         }
     }
 
-    async fn commit(&self, d: &Delivery, txn: DatabaseTransaction) -> Outcome {
-        match inbox::record_processed(
+    /// Opens a transaction and locks the group's position in `d`'s aggregate.
+    async fn begin_locked(
+        &self,
+        d: &Delivery,
+    ) -> Result<(DatabaseTransaction, InboxPosition), Outcome> {
+        let txn = self.db.begin().await.map_err(Outcome::unavailable)?;
+        match inbox::lock_position(
             &txn,
+            &self.group,
+            &d.aggregate_type,
+            &d.aggregate_id,
+            d.event_id,
+        )
+        .await
+        {
+            Ok(pos) => Ok((txn, pos)),
+            Err(e) => Err(rollback(txn, Outcome::unavailable(e)).await),
+        }
+    }
+
+    /// Records `d` in the inbox with `outcome` and moves the position to its sequence.
+    async fn record(
+        &self,
+        txn: &DatabaseTransaction,
+        d: &Delivery,
+        outcome: InboxOutcome,
+    ) -> Result<bool, crate::store::StoreError> {
+        inbox::record_processed(
+            txn,
             &self.group,
             &d.aggregate_type,
             &d.aggregate_id,
             d.aggregate_seq,
             d.event_id,
-            InboxOutcome::Applied,
+            outcome,
         )
         .await
-        {
+    }
+
+    async fn commit(&self, d: &Delivery, txn: DatabaseTransaction) -> Outcome {
+        match self.record(&txn, d, InboxOutcome::Applied).await {
             Ok(true) => {}
             Ok(false) => return rollback(txn, Outcome::Duplicate).await,
             Err(e) => return rollback(txn, Outcome::unavailable(e)).await,
@@ -179,36 +196,15 @@ impl<H: Handler> Applier<H> {
             "event moved to the dead-letter stream"
         );
         if advance {
-            let txn = match self.db.begin().await {
-                Ok(t) => t,
-                Err(e) => return Outcome::unavailable(e),
-            };
-            let pos = match inbox::lock_position(
-                &txn,
-                &self.group,
-                &d.aggregate_type,
-                &d.aggregate_id,
-                d.event_id,
-            )
-            .await
-            {
-                Ok(p) => p,
-                Err(e) => return rollback(txn, Outcome::unavailable(e)).await,
+            let (txn, pos) = match self.begin_locked(d).await {
+                Ok(locked) => locked,
+                Err(outcome) => return outcome,
             };
             let next = d.aggregate_seq == pos.last_seq + 1
                 || (self.order == OrderMode::Monotonic && d.aggregate_seq > pos.last_seq);
             if !pos.seen
                 && next
-                && let Err(e) = inbox::record_processed(
-                    &txn,
-                    &self.group,
-                    &d.aggregate_type,
-                    &d.aggregate_id,
-                    d.aggregate_seq,
-                    d.event_id,
-                    InboxOutcome::DeadLettered,
-                )
-                .await
+                && let Err(e) = self.record(&txn, d, InboxOutcome::DeadLettered).await
             {
                 return rollback(txn, Outcome::unavailable(e)).await;
             }
