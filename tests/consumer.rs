@@ -9,7 +9,8 @@ use std::collections::BTreeMap;
 
 use outpost::consume::{Consumer, StartFrom};
 use support::consumer::{
-    Ev, Running, append, applied, check, create_effects, pending, recorder, settings,
+    Ev, Running, append, append_foreign, applied, check, create_effects, pending, recorder,
+    settings,
 };
 use support::{TestDb, TestRedis, wait_until};
 
@@ -124,14 +125,7 @@ async fn failing_events_go_to_the_dead_letter_stream_and_everything_else_flows()
     }
     append(&mut conn, &stream, &entries).await;
     // And an entry that is not an Outpost event at all.
-    let _: String = redis::cmd("XADD")
-        .arg(&stream)
-        .arg("*")
-        .arg("hello")
-        .arg("world")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    append_foreign(&mut conn, &stream).await;
 
     let mut s = settings(&redis, &stream, "shipping", "m1");
     s.max_deliveries = 3;
@@ -311,14 +305,7 @@ async fn tail_prints_entries_decoded_and_as_a_group_member_acknowledges_them() {
     let mut conn = redis.conn().await;
     let events: Vec<Ev> = (1..=3).map(|s| Ev::new("a1", s, "order.changed")).collect();
     append(&mut conn, &stream, &events).await;
-    let _: String = redis::cmd("XADD")
-        .arg(&stream)
-        .arg("*")
-        .arg("hello")
-        .arg("world")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    append_foreign(&mut conn, &stream).await;
 
     let text = tail(&redis, &["events:order", "--from", "0", "--no-follow"]);
     for s in 1..=3 {

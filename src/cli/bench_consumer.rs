@@ -13,7 +13,7 @@ use redis::aio::MultiplexedConnection;
 use sea_orm::{DatabaseTransaction, TransactionTrait};
 
 use super::bench_relay::{
-    clk_tck, command_line, cpu_model, delete_prefix_keys, info, info_field, postgres_cpu_ticks,
+    clk_tck, delete_prefix_keys, info, info_field, postgres_cpu_ticks, print_run_header,
     redis_conn, self_cpu_ticks,
 };
 use crate::config::Config;
@@ -86,17 +86,7 @@ pub(super) async fn run(config: &Config, args: ConsumerBench) -> anyhow::Result<
         .await?;
         store::migrate_up(&store).await?;
         let server_info = info(&mut rconn, "server").await?;
-        println!("outpost bench consumer");
-        println!(
-            "date:     {}",
-            chrono::Utc::now().format("%Y-%m-%d %H:%M:%S UTC")
-        );
-        println!(
-            "machine:  {} CPUs (nproc), {}",
-            std::thread::available_parallelism().map_or(0, std::num::NonZeroUsize::get),
-            cpu_model()
-        );
-        println!("command:  {}", command_line());
+        print_run_header("consumer");
         println!(
             "servers:  PostgreSQL {}, Redis {}",
             store.server_version().await?,

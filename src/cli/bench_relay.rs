@@ -214,17 +214,7 @@ impl Bench<'_> {
         let server_info = info(&mut self.rconn.clone(), "server").await?;
         let redis_version = info_field(&server_info, "redis_version").unwrap_or("?");
         let (pg_procs, _) = postgres_cpu_ticks().unwrap_or((0, 0));
-        println!("outpost bench relay");
-        println!(
-            "date:     {}",
-            chrono::Utc::now().format("%Y-%m-%d %H:%M:%S UTC")
-        );
-        println!(
-            "machine:  {} CPUs (nproc), {}",
-            std::thread::available_parallelism().map_or(0, std::num::NonZeroUsize::get),
-            cpu_model()
-        );
-        println!("command:  {}", command_line());
+        print_run_header("relay");
         println!(
             "servers:  PostgreSQL {pg_version} ({pg_procs} local postgres processes), Redis \
              {redis_version}"
@@ -929,6 +919,21 @@ fn mib(kib: Option<u64>) -> String {
     kib.map_or("n/a".to_owned(), |k| {
         format!("{:.1} MiB", k as f64 / 1024.0)
     })
+}
+
+/// The first lines of every benchmark's report: which one, when, on what, run how.
+pub(super) fn print_run_header(bench: &str) {
+    println!("outpost bench {bench}");
+    println!(
+        "date:     {}",
+        chrono::Utc::now().format("%Y-%m-%d %H:%M:%S UTC")
+    );
+    println!(
+        "machine:  {} CPUs (nproc), {}",
+        std::thread::available_parallelism().map_or(0, std::num::NonZeroUsize::get),
+        cpu_model()
+    );
+    println!("command:  {}", command_line());
 }
 
 pub(super) fn cpu_model() -> String {

@@ -61,6 +61,18 @@ pub async fn append(conn: &mut redis::aio::MultiplexedConnection, stream: &str, 
     let _: Vec<String> = pipe.query_async(conn).await.expect("XADD");
 }
 
+/// Appends an entry that is not an Outpost event (no identity, no sequence).
+pub async fn append_foreign(conn: &mut redis::aio::MultiplexedConnection, stream: &str) {
+    let _: String = redis::cmd("XADD")
+        .arg(stream)
+        .arg("*")
+        .arg("hello")
+        .arg("world")
+        .query_async(conn)
+        .await
+        .expect("XADD");
+}
+
 /// Creates the table the recording handler writes to.
 pub async fn create_effects(db: &TestDb) {
     db.store
