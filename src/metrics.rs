@@ -103,6 +103,14 @@ pub const ALL: &[&str] = &[
     XMIN_AGE,
     OLDEST_XACT,
     PREPARED_XACTS,
+    CONSUMER_PROCESSED,
+    CONSUMER_DUPLICATES,
+    CONSUMER_HELD,
+    CONSUMER_RECLAIMED,
+    CONSUMER_DEAD_LETTERED,
+    CONSUMER_RETRIES,
+    CONSUMER_LOST,
+    CONSUMER_LAG,
 ];
 
 /// Consumer helper: events applied by a handler (label `group`, as for every consumer metric).
