@@ -357,8 +357,11 @@ impl<H: Handler> Consumer<H> {
     ) -> Result<ConsumerStats, ConsumeError> {
         tokio::pin!(shutdown);
         let mut backoff = Duration::from_millis(100);
-        match self.stream.own_pending(self.settings.batch).await {
-            Ok(own) if !own.is_empty() => {
+        // Entries this member name left pending in an earlier run go first. Should that fail,
+        // they stay pending and come back with a reclaim.
+        let own = async {
+            let own = self.stream.own_pending(self.settings.batch).await?;
+            if !own.is_empty() {
                 tracing::info!(
                     entries = own.len(),
                     "picking up this member's pending entries"
@@ -366,8 +369,12 @@ impl<H: Handler> Consumer<H> {
                 let deliveries = self.decode(own).await?;
                 self.process_deliveries(deliveries).await?;
             }
-            Ok(_) => {}
-            Err(e) => tracing::warn!(error = %e, "could not read this member's pending entries"),
+            Ok::<_, ConsumeError>(())
+        };
+        match own.await {
+            Ok(()) => {}
+            Err(ConsumeError::Fault(point)) => return Err(ConsumeError::Fault(point)),
+            Err(e) => tracing::warn!(error = %e, "could not process this member's pending entries"),
         }
         loop {
             if futures::poll!(&mut shutdown).is_ready() {
@@ -442,7 +449,10 @@ impl<H: Handler> Consumer<H> {
             match self.stream.claim(&reclaim_ids).await {
                 Ok(entries) => batch.extend(entries),
                 Err(e) => {
-                    tracing::warn!(error = %e, "could not claim entries to retry; retrying later");
+                    tracing::warn!(
+                        error = %e,
+                        "could not claim entries to retry; they stay pending and are reclaimed later"
+                    );
                 }
             }
         }
