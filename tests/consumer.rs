@@ -343,3 +343,45 @@ async fn tail_prints_entries_decoded_and_as_a_group_member_acknowledges_them() {
         "what it printed is acknowledged"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_and_group_that_vanish_under_a_running_consumer_are_created_again() {
+    let (db, redis) = (TestDb::new().await, TestRedis::new());
+    create_effects(&db).await;
+    let stream = format!("{}events:order", redis.prefix);
+    let mut conn = redis.conn().await;
+    let events: Vec<Ev> = (1..=10)
+        .map(|s| Ev::new("a1", s, "order.changed"))
+        .collect();
+    // Reclaim passes run every round, so the first command to meet the missing group is the
+    // reclaim, not the read.
+    let mut s = settings(&redis, &stream, "billing", "m1");
+    s.claim_interval = std::time::Duration::from_millis(1);
+    let running = Running::start(s, &db, recorder("m1")).await;
+    append(&mut conn, &stream, &events[..5]).await;
+    wait_until(30, "the first events applied", || async {
+        applied(&db).await == 5
+    })
+    .await;
+
+    // As after a Redis restart without persistence: the stream, its group and the helper's own
+    // key are gone; the relay then writes the next events to a new stream.
+    let state = format!("{}outpost:consumer:{{{stream}}}", redis.prefix);
+    let _: i64 = redis::cmd("DEL")
+        .arg(&stream)
+        .arg(&state)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    append(&mut conn, &stream, &events[5..]).await;
+    wait_until(
+        30,
+        "the later events applied from the new stream",
+        || async { applied(&db).await == 10 },
+    )
+    .await;
+    running.stop().await;
+    let want: BTreeMap<String, Vec<i64>> = [("a1".to_owned(), (1..=10).collect())].into();
+    let result = check(&db, &want).await;
+    assert!(result.is_clean(), "{result:?}");
+}

@@ -11,6 +11,10 @@ pub enum ConsumeError {
     /// Redis refused a command or could not be reached.
     #[error("redis: {0} (check the Redis URL and that Redis is running)")]
     Redis(String),
+    /// The stream or the consumer group is gone (Redis restarted empty, or someone deleted
+    /// them): the helper creates the group again.
+    #[error("the stream or its consumer group is gone")]
+    NoGroup,
     /// The consumer's database failed outside a handler.
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -21,6 +25,10 @@ pub enum ConsumeError {
 
 impl ConsumeError {
     pub(crate) fn redis(err: redis::RedisError) -> Self {
-        ConsumeError::Redis(err.to_string())
+        if err.code() == Some("NOGROUP") {
+            ConsumeError::NoGroup
+        } else {
+            ConsumeError::Redis(err.to_string())
+        }
     }
 }

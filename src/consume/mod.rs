@@ -395,6 +395,14 @@ impl<H: Handler> Consumer<H> {
                     }
                 }
                 Err(ConsumeError::Fault(point)) => return Err(ConsumeError::Fault(point)),
+                Err(ConsumeError::NoGroup) => {
+                    tracing::warn!(stream = %self.settings.stream, group = %self.settings.group,
+                        "the stream or the group is gone (was Redis restarted empty?); creating it again");
+                    if let Err(e) = self.ensure_group().await {
+                        tracing::warn!(error = %e, "could not create the group; retrying");
+                        tokio::time::sleep(backoff).await;
+                    }
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, wait = ?backoff, "consumer round failed; backing off");
                     tokio::select! {
@@ -491,9 +499,7 @@ impl<H: Handler> Consumer<H> {
         if room > 0 && self.later.len() < self.settings.batch * 10 {
             let read = self.stream.read_new(room).await?;
             if read.no_group {
-                tracing::warn!(stream = %self.settings.stream, group = %self.settings.group,
-                    "the stream or the group is gone (was Redis restarted empty?); creating it again");
-                self.ensure_group().await?;
+                return Err(ConsumeError::NoGroup);
             }
             self.last_id = read.last_id;
             self.count_lost(
