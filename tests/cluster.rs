@@ -294,7 +294,7 @@ async fn a_node_stopped_past_its_lease_comes_back_without_loss_or_order_violatio
     b.shutdown().await;
 }
 
-/// libfaketime, from Debian's `faketime` package (`.ci/run` installs it).
+/// libfaketime, from Debian's `faketime` package (`scripts/test` installs it when missing).
 const FAKETIME_LIB: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1";
 
 /// Starts a node as a process whose clocks run `shift` (e.g. `+10m`) off the real time.
