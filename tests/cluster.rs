@@ -298,7 +298,7 @@ async fn a_node_stopped_past_its_lease_comes_back_without_loss_or_order_violatio
 const FAKETIME_LIB: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1";
 
 /// Starts a node as a process whose clocks run `shift` (e.g. `+10m`) off the real time.
-fn spawn_skewed(db: &TestDb, redis: &TestRedis, id: &str, shift: &str) -> std::process::Child {
+fn spawn_skewed(db: &TestDb, redis: &TestRedis, id: &str, shift: &str) -> support::NodeProcess {
     assert!(
         std::path::Path::new(FAKETIME_LIB).exists(),
         "{FAKETIME_LIB} is missing: install Debian's faketime package (apt-get install faketime)"

@@ -430,7 +430,7 @@ pub fn relay_args(
 }
 
 /// Starts `outpost run` as a child process with the test's settings and `env` added.
-pub fn spawn_outpost(args: &[String], env: &[(&str, &str)]) -> std::process::Child {
+pub fn spawn_outpost(args: &[String], env: &[(&str, &str)]) -> NodeProcess {
     let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_outpost"));
     cmd.args(args)
         .arg("run")
@@ -446,7 +446,32 @@ pub fn spawn_outpost(args: &[String], env: &[(&str, &str)]) -> std::process::Chi
     for (k, v) in env {
         cmd.env(k, v);
     }
-    cmd.spawn().expect("spawn outpost")
+    NodeProcess(cmd.spawn().expect("spawn outpost"))
+}
+
+/// An `outpost run` process started by a test. Killed when dropped, so a failing test leaves no
+/// node behind (not even one it stopped with SIGSTOP).
+#[derive(Debug)]
+pub struct NodeProcess(pub std::process::Child);
+
+impl std::ops::Deref for NodeProcess {
+    type Target = std::process::Child;
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for NodeProcess {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.0
+    }
+}
+
+impl Drop for NodeProcess {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 /// Waits for a child to exit (a deadlock guard of `secs` seconds) and returns its status.
