@@ -71,6 +71,16 @@ async fn stop_and_check(
     (ids, d)
 }
 
+/// Starts a node in this process and waits until it owns every partition.
+async fn sole_node(db: &TestDb, redis: &TestRedis, id: &str) -> NodeHandle {
+    let node = support::start_node(relay_config(db, redis, id)).await;
+    wait_until(30, "the first node to own every partition", || async {
+        owned(&node).await == 64
+    })
+    .await;
+    node
+}
+
 async fn owned(node: &NodeHandle) -> usize {
     node.owned_partitions().await.len()
 }
@@ -79,11 +89,7 @@ async fn owned(node: &NodeHandle) -> usize {
 async fn nodes_share_partitions_fairly_and_hand_over_without_loss_or_duplicates() {
     let db = TestDb::with_pool(8).await;
     let redis = TestRedis::new();
-    let a = support::start_node(relay_config(&db, &redis, "node-a")).await;
-    wait_until(30, "node a to own every partition", || async {
-        owned(&a).await == 64
-    })
-    .await;
+    let a = sole_node(&db, &redis, "node-a").await;
 
     // Load runs throughout: writers commit events of 300 aggregates until told to stop.
     let stop = Arc::new(AtomicBool::new(false));
@@ -327,11 +333,7 @@ fn spawn_skewed(db: &TestDb, redis: &TestRedis, id: &str, shift: &str) -> suppor
 async fn a_node_with_a_skewed_clock_neither_steals_leases_nor_keeps_them() {
     let db = TestDb::with_pool(8).await;
     let redis = TestRedis::new();
-    let a = support::start_node(relay_config(&db, &redis, "skew-a")).await;
-    wait_until(30, "a to own every partition", || async {
-        owned(&a).await == 64
-    })
-    .await;
+    let a = sole_node(&db, &redis, "skew-a").await;
     let stop = Arc::new(AtomicBool::new(false));
     let writer = keep_writing(&db, stop.clone());
 

@@ -13,14 +13,14 @@ use redis::aio::MultiplexedConnection;
 use sea_orm::{DatabaseTransaction, TransactionTrait};
 
 use super::bench_relay::{
-    clk_tck, delete_prefix_keys, info, info_field, postgres_cpu_ticks, print_run_header,
-    redis_conn, self_cpu_ticks,
+    clk_tck, info, info_field, postgres_cpu_ticks, print_run_header, self_cpu_ticks,
 };
+use super::scratch::Scratch;
 use crate::config::Config;
 use crate::consume::{Consumer, ConsumerSettings, Delivery, Handler, HandlerError};
 use crate::publish::{Message, entry_fields};
+use crate::store::Store;
 use crate::store::bench::apply_to_projection;
-use crate::store::{self, ConnectSettings, Store, admin};
 
 const DB_NAME: &str = "outpost_bench_consumer";
 
@@ -63,28 +63,16 @@ impl Handler for Project {
 }
 
 pub(super) async fn run(config: &Config, args: ConsumerBench) -> anyhow::Result<()> {
-    let server = config.database.url()?.expose().to_owned();
-    let redis_url = config.redis.url()?.expose().to_owned();
-    let client = redis::Client::open(redis_url.as_str()).context("redis.url is not usable")?;
-    let mut rconn = redis_conn(&client).await?;
-    admin::drop_database(&server, DB_NAME).await?;
-    admin::create_database(&server, DB_NAME, None).await?;
-    let prefix = format!(
-        "bench:{}:",
-        &uuid::Uuid::new_v4().simple().to_string()[..12]
-    );
+    let scratch = Scratch::create(config, DB_NAME).await?;
     let outcome = async {
-        let url = admin::database_url(&server, DB_NAME)?;
         let max_members = args.members.iter().copied().max().unwrap_or(1);
-        let store = Store::connect(&ConnectSettings {
-            url,
-            pool_size: u32::try_from(max_members * args.concurrency + 4)?,
-            connect_timeout: Duration::from_secs(10),
-            application_name: "outpost bench consumer".to_owned(),
-            async_commit: false,
-        })
-        .await?;
-        store::migrate_up(&store).await?;
+        let store = scratch
+            .store(
+                u32::try_from(max_members * args.concurrency + 4)?,
+                "consumer",
+            )
+            .await?;
+        let mut rconn = scratch.rconn.clone();
         let server_info = info(&mut rconn, "server").await?;
         print_run_header("consumer");
         println!(
@@ -105,8 +93,8 @@ pub(super) async fn run(config: &Config, args: ConsumerBench) -> anyhow::Result<
         let run = Run {
             args: &args,
             store: &store,
-            redis_url: &redis_url,
-            prefix: &prefix,
+            redis_url: &scratch.redis_url,
+            prefix: &scratch.prefix,
         };
         run.bare(&mut rconn).await?;
         for &m in &args.members {
@@ -116,12 +104,7 @@ pub(super) async fn run(config: &Config, args: ConsumerBench) -> anyhow::Result<
         anyhow::Ok(())
     }
     .await;
-    let keys = delete_prefix_keys(&mut rconn, &prefix).await;
-    let dropped = admin::drop_database(&server, DB_NAME).await;
-    outcome?;
-    keys?;
-    dropped?;
-    Ok(())
+    scratch.finish(outcome).await
 }
 
 struct Run<'a> {

@@ -16,12 +16,13 @@ use anyhow::{Context, bail};
 use clap::{Args, ValueEnum};
 use redis::aio::MultiplexedConnection;
 
+use super::scratch::Scratch;
 use crate::config::{Config, Secret};
 use crate::dispatch::node::{self, NodeHandle};
 use crate::produce::load::{LoadReport, LoadSpec, WriteTarget, run_load};
 use crate::produce::{Limits, Producer};
 use crate::store::bench::BareOrder;
-use crate::store::{self, ConnectSettings, Store, admin};
+use crate::store::{self, Store};
 
 /// The scratch database.
 const DB_NAME: &str = "outpost_bench_relay";
@@ -135,37 +136,20 @@ struct Bench<'a> {
 }
 
 pub(super) async fn run(config: &Config, args: RelayBench) -> anyhow::Result<()> {
-    let server = config.database.url()?.expose().to_owned();
-    let redis_url = config.redis.url()?.expose().to_owned();
-    let redis = redis::Client::open(redis_url.as_str()).context("redis.url is not usable")?;
-    let rconn = redis_conn(&redis).await?;
-
-    admin::drop_database(&server, DB_NAME).await?;
-    admin::create_database(&server, DB_NAME, None).await?;
-    let prefix = format!(
-        "bench:{}:",
-        &uuid::Uuid::new_v4().simple().to_string()[..12]
-    );
+    let scratch = Scratch::create(config, DB_NAME).await?;
     let outcome = async {
-        let url = admin::database_url(&server, DB_NAME)?;
-        let store = Store::connect(&ConnectSettings {
-            url: url.clone(),
-            pool_size: args.steady_writers.max(args.baseline_loops) + 4,
-            connect_timeout: Duration::from_secs(10),
-            application_name: "outpost bench relay".to_owned(),
-            async_commit: false,
-        })
-        .await?;
-        store::migrate_up(&store).await?;
+        let store = scratch
+            .store(args.steady_writers.max(args.baseline_loops) + 4, "relay")
+            .await?;
         let bench = Bench {
             config,
             args: &args,
             partitions: store.partition_count().await?,
             store,
-            url,
-            prefix: prefix.clone(),
-            redis,
-            rconn: rconn.clone(),
+            url: scratch.url.clone(),
+            prefix: scratch.prefix.clone(),
+            redis: scratch.redis.clone(),
+            rconn: scratch.rconn.clone(),
             clk_tck: clk_tck(),
         };
         let outcome = tokio::select! {
@@ -176,13 +160,7 @@ pub(super) async fn run(config: &Config, args: RelayBench) -> anyhow::Result<()>
         outcome
     }
     .await;
-    // Clean up whatever happened; a failed part's error is the one reported.
-    let keys = delete_prefix_keys(&mut rconn.clone(), &prefix).await;
-    let dropped = admin::drop_database(&server, DB_NAME).await;
-    outcome?;
-    keys?;
-    dropped?;
-    Ok(())
+    scratch.finish(outcome).await
 }
 
 impl Bench<'_> {

@@ -12,13 +12,14 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use clap::{Args, ValueEnum};
 
-use super::bench_relay::{delete_prefix_keys, noop, redis_conn, stream_entries};
+use super::bench_relay::{noop, stream_entries};
+use super::scratch::Scratch;
 use crate::config::{Config, Secret};
 use crate::dispatch::housekeeping;
 use crate::dispatch::node;
 use crate::produce::load::{LoadReport, LoadSpec, WriteTarget, run_load};
 use crate::produce::{Limits, Producer};
-use crate::store::{self, ConnectSettings, Store, admin};
+use crate::store::Store;
 
 const DB_NAME: &str = "outpost_bench_retention";
 
@@ -67,44 +68,30 @@ pub struct RetentionBench {
 }
 
 pub(super) async fn run(config: &Config, args: RetentionBench) -> anyhow::Result<()> {
-    let server = config.database.url()?.expose().to_owned();
-    admin::drop_database(&server, DB_NAME).await?;
-    admin::create_database(&server, DB_NAME, None).await?;
-    let redis_url = config.redis.url()?.expose().to_owned();
-    let redis = redis::Client::open(redis_url.as_str()).context("redis.url is not usable")?;
-    let mut rconn = redis_conn(&redis).await?;
-    let prefix = format!(
-        "bench:{}:",
-        &uuid::Uuid::new_v4().simple().to_string()[..12]
-    );
-    let url = admin::database_url(&server, DB_NAME)?;
+    let scratch = Scratch::create(config, DB_NAME).await?;
     let outcome = async {
-        let store = Store::connect(&ConnectSettings {
-            url: url.clone(),
-            pool_size: args.writers + 4,
-            connect_timeout: Duration::from_secs(10),
-            application_name: "outpost bench retention".to_owned(),
-            async_commit: false,
-        })
-        .await?;
-        store::migrate_up(&store).await?;
+        let store = scratch.store(args.writers + 4, "retention").await?;
         let wants = |p: Part| args.only.is_none_or(|o| o == p);
         if wants(Part::Cleanup) {
             cleanup(config, &args, &store).await?;
         }
         if wants(Part::Soak) {
-            soak(config, &args, &store, &url, &prefix, &mut rconn).await?;
+            let mut rconn = scratch.rconn.clone();
+            soak(
+                config,
+                &args,
+                &store,
+                &scratch.url,
+                &scratch.prefix,
+                &mut rconn,
+            )
+            .await?;
         }
         store.connection().clone().close().await.ok();
         Ok::<_, anyhow::Error>(())
     }
     .await;
-    let keys = delete_prefix_keys(&mut rconn, &prefix).await;
-    let dropped = admin::drop_database(&server, DB_NAME).await;
-    outcome?;
-    keys?;
-    dropped?;
-    Ok(())
+    scratch.finish(outcome).await
 }
 
 fn producer(config: &Config) -> Producer {

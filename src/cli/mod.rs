@@ -10,6 +10,7 @@ mod migrate;
 mod pause;
 mod produce;
 mod run;
+mod scratch;
 mod status;
 mod tail;
 

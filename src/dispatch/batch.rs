@@ -303,12 +303,11 @@ pub async fn run_group(worker: &Worker, leases: &[LeaseRef]) -> Vec<Outcome> {
         .iter_mut()
         .flat_map(|(_, plan, _)| std::mem::take(&mut plan.batches))
         .collect();
-    let streams: Vec<String> = all.iter().map(|b| b.stream.clone()).collect();
     let started = Instant::now();
     let published = publish(worker, &all).await;
     histogram!(m::PUBLISH_SECONDS).record(started.elapsed().as_secs_f64());
     let mut replies = match published {
-        Ok(o) => streams.into_iter().zip(o),
+        Ok(o) => all.iter().map(|b| b.stream.as_str()).zip(o),
         Err(e) => {
             counter!(m::FAILURES, "kind" => "transient", "code" => e.code().to_owned())
                 .increment(1);
@@ -355,7 +354,7 @@ pub async fn run_group(worker: &Worker, leases: &[LeaseRef]) -> Vec<Outcome> {
             };
             let n_ok = ids.len();
             if let Some(last) = ids.last() {
-                worker.shared.streams.published(&stream, last);
+                worker.shared.streams.published(stream, last);
             }
             for (origin, id) in origins.iter().zip(ids) {
                 let latency = (now - origin.recorded_at.with_timezone(&chrono::Utc))

@@ -1,0 +1,78 @@
+//! The scratch space every benchmark works in: a database of its own on the server of
+//! `database.url` (dropped and created at the start, dropped at the end) and a Redis key prefix
+//! of its own (`bench:<random>:`, whose keys are deleted at the end), never the configured
+//! database or keys.
+
+use std::time::Duration;
+
+use anyhow::Context;
+use redis::aio::MultiplexedConnection;
+
+use super::bench_relay::{delete_prefix_keys, redis_conn};
+use crate::config::Config;
+use crate::store::{self, ConnectSettings, Store, admin};
+
+/// A benchmark's database and Redis prefix.
+pub(super) struct Scratch {
+    server: String,
+    db_name: &'static str,
+    /// The scratch database's URL.
+    pub url: String,
+    /// `redis.url`.
+    pub redis_url: String,
+    /// A client on it, for extra connections.
+    pub redis: redis::Client,
+    /// A connection with a generous response timeout.
+    pub rconn: MultiplexedConnection,
+    /// The benchmark's key prefix.
+    pub prefix: String,
+}
+
+impl Scratch {
+    /// Creates the scratch database `db_name` (dropping a leftover one) and picks a prefix.
+    pub async fn create(config: &Config, db_name: &'static str) -> anyhow::Result<Self> {
+        let server = config.database.url()?.expose().to_owned();
+        let redis_url = config.redis.url()?.expose().to_owned();
+        let redis = redis::Client::open(redis_url.as_str()).context("redis.url is not usable")?;
+        let rconn = redis_conn(&redis).await?;
+        admin::drop_database(&server, db_name).await?;
+        admin::create_database(&server, db_name, None).await?;
+        Ok(Self {
+            url: admin::database_url(&server, db_name)?,
+            server,
+            db_name,
+            redis_url,
+            redis,
+            rconn,
+            prefix: format!(
+                "bench:{}:",
+                &uuid::Uuid::new_v4().simple().to_string()[..12]
+            ),
+        })
+    }
+
+    /// A migrated pool of `pool_size` on the scratch database.
+    pub async fn store(&self, pool_size: u32, bench: &str) -> anyhow::Result<Store> {
+        let store = Store::connect(&ConnectSettings {
+            url: self.url.clone(),
+            pool_size,
+            connect_timeout: Duration::from_secs(10),
+            application_name: format!("outpost bench {bench}"),
+            async_commit: false,
+        })
+        .await?;
+        store::migrate_up(&store).await?;
+        Ok(store)
+    }
+
+    /// Deletes the prefix's keys and drops the database, whatever `outcome` was; a failed
+    /// benchmark's error is the one reported.
+    pub async fn finish<T>(mut self, outcome: anyhow::Result<T>) -> anyhow::Result<T> {
+        let keys = delete_prefix_keys(&mut self.rconn, &self.prefix).await;
+        let dropped = admin::drop_database(&self.server, self.db_name).await;
+        let value = outcome?;
+        keys?;
+        dropped?;
+        Ok(value)
+    }
+}
