@@ -8,38 +8,23 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use outpost::dispatch::node::NodeHandle;
-use outpost::produce::{EventFact, Producer};
-use sea_orm::TransactionTrait;
+use outpost::produce::EventFact;
 use serde_json::json;
 use support::{Deliveries, TestDb, TestRedis, relay_config, wait_until};
 
 /// Writers committing batches of ten events over 300 aggregates until `stop`; returns the ids.
 fn keep_writing(db: &TestDb, stop: Arc<AtomicBool>) -> tokio::task::JoinHandle<Vec<String>> {
-    let store = db.store.clone();
-    tokio::spawn(async move {
-        let mut ids = Vec::new();
-        let mut i = 0u64;
-        while !stop.load(Ordering::Relaxed) {
-            let facts: Vec<EventFact> = (0..10)
-                .map(|k| {
-                    EventFact::new(
-                        "kind0",
-                        format!("a{}", (i * 10 + k) % 300),
-                        "t",
-                        json!({"i": i}),
-                    )
-                })
-                .collect();
-            ids.extend(facts.iter().map(|f| f.id().to_string()));
-            let txn = store.connection().begin().await.unwrap();
-            Producer::default()
-                .enqueue_facts(&txn, facts)
-                .await
-                .unwrap();
-            txn.commit().await.unwrap();
-            i += 1;
-        }
-        ids
+    support::write_until(db, stop, |i| {
+        (0..10)
+            .map(|k| {
+                EventFact::new(
+                    "kind0",
+                    format!("a{}", (i * 10 + k) % 300),
+                    "t",
+                    json!({"i": i}),
+                )
+            })
+            .collect()
     })
 }
 

@@ -216,6 +216,7 @@ async fn publisher(redis: &TestRedis) -> Publisher {
         key_prefix: redis.prefix.clone(),
         connect_timeout: Duration::from_secs(5),
         response_timeout: Duration::from_secs(5),
+        topology: outpost::publish::Topology::Single,
     })
     .await
     .unwrap()

@@ -10,6 +10,7 @@ use redis::streams::{StreamReadOptions, StreamReadReply};
 use crate::config::Config;
 use crate::consume::stream::{GroupStream, RawEntry};
 use crate::consume::{ConsumerSettings, Delivery, StartFrom};
+use crate::publish::RedisConn;
 
 /// What to read and how to print it.
 #[derive(Debug, Args)]
@@ -46,6 +47,7 @@ pub(super) async fn run(config: &Config, args: TailArgs) -> anyhow::Result<()> {
     if let Some(group) = &args.group {
         let mut settings = ConsumerSettings::new(url, key.clone(), group.clone());
         settings.key_prefix = config.redis.key_prefix.clone();
+        settings.topology = config.redis.topology();
         if let Some(c) = &args.consumer {
             settings.consumer = c.clone();
         }
@@ -82,14 +84,15 @@ pub(super) async fn run(config: &Config, args: TailArgs) -> anyhow::Result<()> {
             }
         }
     }
-    let client = redis::Client::open(url).context("redis.url is not usable")?;
-    let mut conn = client
-        .get_multiplexed_async_connection_with_config(
-            &redis::AsyncConnectionConfig::new()
-                .set_response_timeout(Some(Duration::from_secs(10))),
-        )
-        .await
-        .with_context(|| format!("connecting to Redis for {key}"))?;
+    let mut conn = RedisConn::connect(
+        &url,
+        &config.redis.topology(),
+        config.redis.connect_timeout(),
+        // Blocking reads wait up to 5 s.
+        config.redis.response_timeout() + Duration::from_secs(5),
+    )
+    .await
+    .with_context(|| format!("connecting to Redis for {key}"))?;
     let mut last = if args.from == "$" {
         // Resolve `$` once, so entries arriving between two reads are not skipped.
         let info: Option<String> = redis::cmd("XINFO")

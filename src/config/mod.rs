@@ -143,6 +143,10 @@ pub struct RedisConfig {
     /// What to do when Redis may evict keys (`maxmemory-policy` other than `noeviction`):
     /// [`REFUSE`] (the node does not start, `/readyz` says not ready) or [`WARN`].
     pub maxmemory_policy_check: String,
+    /// `url` names a node of a Redis Cluster (not a single Redis).
+    pub cluster: bool,
+    /// More cluster nodes (`host:port`) to learn the layout from when `url`'s is down.
+    pub cluster_seeds: Vec<String>,
 }
 
 /// `redis.maxmemory_policy_check`: refuse to run against a Redis that may evict keys.
@@ -158,6 +162,8 @@ impl Default for RedisConfig {
             connect_timeout_ms: 5000,
             response_timeout_ms: 5000,
             maxmemory_policy_check: REFUSE.to_owned(),
+            cluster: false,
+            cluster_seeds: Vec::new(),
         }
     }
 }
@@ -171,6 +177,17 @@ impl RedisConfig {
     /// `connect_timeout_ms` as a [`Duration`].
     pub fn connect_timeout(&self) -> Duration {
         Duration::from_millis(self.connect_timeout_ms)
+    }
+
+    /// A single Redis, or a cluster with its extra seed nodes.
+    pub fn topology(&self) -> crate::publish::Topology {
+        if self.cluster {
+            crate::publish::Topology::Cluster {
+                seeds: self.cluster_seeds.clone(),
+            }
+        } else {
+            crate::publish::Topology::Single
+        }
     }
 
     /// `response_timeout_ms` as a [`Duration`].

@@ -111,6 +111,8 @@ pub(crate) const FIELDS: &[Field] = &[
     uint("redis", "connect_timeout_ms", 100, 600_000, MS),
     uint("redis", "response_timeout_ms", 100, 600_000, MS),
     field("redis", "maxmemory_policy_check", Kind::Str),
+    field("redis", "cluster", Kind::Bool),
+    field("redis", "cluster_seeds", Kind::StrList),
     field("node", "id", Kind::Str),
     uint("node", "heartbeat_ms", 100, 60_000, MS),
     uint("node", "lease_ms", 300, 3_600_000, MS),

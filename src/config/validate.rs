@@ -90,6 +90,17 @@ pub(crate) fn check(config: &Config) -> Vec<Issue> {
         ));
     }
 
+    if crate::publish::companion_key(prefix, "fence", &format!("{prefix}stream")).is_err() {
+        issues.push(Issue::new(
+            "redis.key_prefix",
+            format!(
+                "= {prefix:?} holds braces that are not a Redis Cluster hash tag; use none, or \
+                 one non-empty {{tag}} such as \"{{outpost}}:\" (which puts every key in one slot)"
+            ),
+        ));
+    }
+    check_cluster(&config.redis, &mut issues);
+
     let id = &config.node.id;
     if !id.is_empty() {
         if id.chars().count() > 64 {
@@ -344,6 +355,33 @@ fn check_routing(config: &Config, issues: &mut Vec<Issue>) {
     }
 }
 
+/// Cluster seeds are `host:port`, and only mean something on a cluster.
+fn check_cluster(redis: &super::RedisConfig, issues: &mut Vec<Issue>) {
+    if !redis.cluster && !redis.cluster_seeds.is_empty() {
+        issues.push(Issue::new(
+            "redis.cluster_seeds",
+            "is set but redis.cluster is false; set redis.cluster = true if redis.url names a \
+             Redis Cluster node, or remove the seeds",
+        ));
+    }
+    for seed in &redis.cluster_seeds {
+        if let Err(message) = crate::publish::parse_seed(seed) {
+            issues.push(Issue::new("redis.cluster_seeds", message));
+        }
+    }
+    if redis.cluster
+        && let Some(url) = &redis.url
+        && url.expose().starts_with("rediss:")
+        && !redis.cluster_seeds.is_empty()
+    {
+        issues.push(Issue::new(
+            "redis.cluster_seeds",
+            "cannot be combined with a rediss:// URL; list the nodes' addresses through the \
+             cluster's own discovery (redis.url alone)",
+        ));
+    }
+}
+
 /// Checks a stream template: not empty, balanced braces, known placeholders.
 pub(crate) fn check_template(template: &str) -> Result<(), String> {
     if template.trim().is_empty() {
@@ -421,6 +459,34 @@ mod tests {
         c.redis.maxmemory_policy_check = "maybe".to_owned();
         let keys: Vec<String> = check(&c).iter().map(Issue::key).collect();
         assert_eq!(keys, ["redis.maxmemory_policy_check"]);
+    }
+
+    #[test]
+    fn cluster_settings() {
+        let mut c = Config::default();
+        c.redis.cluster_seeds = vec!["10.0.0.2:7000".to_owned()];
+        let keys: Vec<String> = check(&c).iter().map(Issue::key).collect();
+        assert_eq!(keys, ["redis.cluster_seeds"], "seeds without cluster");
+        c.redis.cluster = true;
+        assert!(check(&c).is_empty());
+        c.redis.cluster_seeds.push("10.0.0.3".to_owned());
+        let issues = check(&c);
+        assert_eq!(issues.len(), 1);
+        assert!(issues[0].message.contains("host:port"), "{:?}", issues[0]);
+    }
+
+    #[test]
+    fn key_prefix_braces_must_be_a_hash_tag() {
+        let mut c = Config::default();
+        for ok in ["", "outpost:", "{outpost}:", "app:{orders}:"] {
+            c.redis.key_prefix = ok.to_owned();
+            assert!(check(&c).is_empty(), "{ok}");
+        }
+        for bad in ["a}b:", "a{b:", "{}:"] {
+            c.redis.key_prefix = bad.to_owned();
+            let keys: Vec<String> = check(&c).iter().map(Issue::key).collect();
+            assert_eq!(keys, ["redis.key_prefix"], "{bad}");
+        }
     }
 
     #[test]

@@ -45,6 +45,7 @@ use apply::{Applier, Outcome};
 use stream::{GroupStream, RawEntry};
 
 use crate::metrics as m;
+pub use crate::publish::Topology;
 use metrics::{counter, gauge};
 
 /// Where a new consumer group starts reading.
@@ -114,6 +115,8 @@ pub struct ConsumerSettings {
     pub connect_timeout: Duration,
     /// Redis per-request timeout (blocking waits add `block` to it).
     pub response_timeout: Duration,
+    /// A single Redis or a Redis Cluster (`redis_url` then names one of its nodes).
+    pub topology: Topology,
     /// Acknowledge before committing: deliberately wrong, kept only so the tests can show that
     /// their checker catches the loss it causes.
     #[cfg(feature = "failpoints")]
@@ -164,6 +167,7 @@ impl ConsumerSettings {
             dead_letter: None,
             connect_timeout: Duration::from_secs(5),
             response_timeout: Duration::from_secs(5),
+            topology: Topology::Single,
             #[cfg(feature = "failpoints")]
             ack_before_commit: false,
         }

@@ -16,13 +16,13 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::streams::{
     StreamAutoClaimOptions, StreamAutoClaimReply, StreamClaimReply, StreamPendingCountReply,
 };
-use redis::{Client, Script, Value};
+use redis::{Script, Value};
 
 use super::{ConsumeError, ConsumerSettings, StartFrom};
+use crate::publish::{RedisConn, companion_key};
 
 /// An entry as read: id, fields, and the group's delivery count.
 #[derive(Debug, Clone, PartialEq)]
@@ -111,10 +111,10 @@ return {lost, added - pos, last, entries}
 
 /// The consumer's connections and scripts.
 pub(crate) struct GroupStream {
-    conn: ConnectionManager,
+    conn: RedisConn,
     /// Blocking waits get a connection of their own, so they never hold up acknowledgements or
     /// dead-letter appends.
-    wait_conn: ConnectionManager,
+    wait_conn: RedisConn,
     stream: String,
     state: String,
     group: String,
@@ -126,26 +126,25 @@ pub(crate) struct GroupStream {
 
 impl GroupStream {
     pub async fn connect(s: &ConsumerSettings) -> Result<Self, ConsumeError> {
-        let client = Client::open(s.redis_url.as_str())
-            .map_err(|e| ConsumeError::Settings(format!("redis_url is not usable: {e}")))?;
-        let manager = |timeout: Duration| {
-            ConnectionManagerConfig::new()
-                .set_connection_timeout(Some(s.connect_timeout))
-                .set_response_timeout(Some(timeout))
-                .set_number_of_retries(1)
-                .set_max_delay(Duration::from_millis(500))
-        };
-        let conn = ConnectionManager::new_with_config(client.clone(), manager(s.response_timeout))
-            .await
-            .map_err(ConsumeError::redis)?;
-        let wait_conn =
-            ConnectionManager::new_with_config(client, manager(s.block + s.response_timeout))
+        let state =
+            companion_key(&s.key_prefix, "consumer", &s.stream).map_err(ConsumeError::Settings)?;
+        let connect = async |timeout: Duration| {
+            RedisConn::connect(&s.redis_url, &s.topology, s.connect_timeout, timeout)
                 .await
-                .map_err(ConsumeError::redis)?;
+                .map_err(|e| {
+                    if e.kind() == redis::ErrorKind::InvalidClientConfig {
+                        ConsumeError::Settings(format!("redis_url is not usable: {e}"))
+                    } else {
+                        ConsumeError::redis(e)
+                    }
+                })
+        };
+        let conn = connect(s.response_timeout).await?;
+        let wait_conn = connect(s.block + s.response_timeout).await?;
         Ok(Self {
             conn,
             wait_conn,
-            state: format!("{}outpost:consumer:{{{}}}", s.key_prefix, s.stream),
+            state,
             stream: s.stream.clone(),
             group: s.group.clone(),
             consumer: s.consumer.clone(),

@@ -183,6 +183,7 @@ async fn boot(config: Config) -> Result<Booted, NodeError> {
         key_prefix: config.redis.key_prefix.clone(),
         connect_timeout: config.redis.connect_timeout(),
         response_timeout: config.redis.response_timeout(),
+        topology: config.redis.topology(),
     };
     let node_id = node_id(&config);
     let workers_n = config.relay.effective_workers().max(1);

@@ -3,8 +3,10 @@
 //! A batch is a list of [`StreamBatch`]es, one per stream. Each is appended by one call of a Lua
 //! script that first checks the partition's fencing epoch at Redis (a hash field next to the
 //! stream, in the same hash slot) and only then runs the `XADD`s — atomically, so a node that lost
-//! its lease cannot append behind the new owner's entries. The calls of one batch are pipelined.
+//! its lease cannot append behind the new owner's entries. The calls of one batch are pipelined
+//! (on a Redis Cluster: sent one by one, all at once; see [`RedisConn::run_keyed`]).
 
+mod conn;
 mod entry;
 mod error;
 mod recover;
@@ -14,9 +16,7 @@ mod trim;
 
 use std::time::Duration;
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{Client, Value};
-
+pub use conn::{RedisConn, Topology, companion_key, hash_tag, parse_seed};
 pub use entry::{Message, entry_fields, field};
 pub use error::{ErrorClass, PublishError, classify_code};
 pub use recover::StreamPosition;
@@ -82,12 +82,14 @@ pub struct RedisSettings {
     pub connect_timeout: Duration,
     /// Per-request timeout.
     pub response_timeout: Duration,
+    /// A single Redis or a Redis Cluster.
+    pub topology: Topology,
 }
 
-/// A publishing connection (multiplexed, reconnecting by itself).
+/// A publishing connection (multiplexed, reconnecting by itself; a single Redis or a cluster).
 #[derive(Clone)]
 pub struct Publisher {
-    conn: ConnectionManager,
+    conn: RedisConn,
     prefix: String,
 }
 
@@ -95,6 +97,7 @@ impl std::fmt::Debug for Publisher {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Publisher")
             .field("prefix", &self.prefix)
+            .field("conn", &self.conn)
             .finish()
     }
 }
@@ -102,20 +105,36 @@ impl std::fmt::Debug for Publisher {
 impl Publisher {
     /// Connects. Fails when Redis cannot be reached within the connect timeout.
     pub async fn connect(settings: &RedisSettings) -> Result<Self, PublishError> {
-        let client = Client::open(settings.url.as_str())
-            .map_err(|e| PublishError::config(format!("redis.url is not usable: {e}")))?;
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(settings.connect_timeout))
-            .set_response_timeout(Some(settings.response_timeout))
-            .set_number_of_retries(1)
-            .set_max_delay(Duration::from_millis(500));
-        let conn = ConnectionManager::new_with_config(client, config)
-            .await
-            .map_err(PublishError::from_redis)?;
+        // The prefix must leave room for a fence next to every stream.
+        companion_key(
+            &settings.key_prefix,
+            "fence",
+            &format!("{}s", settings.key_prefix),
+        )
+        .map_err(|e| PublishError::config(format!("redis.key_prefix: {e}")))?;
+        let conn = RedisConn::connect(
+            &settings.url,
+            &settings.topology,
+            settings.connect_timeout,
+            settings.response_timeout,
+        )
+        .await
+        .map_err(|e| {
+            if e.kind() == redis::ErrorKind::InvalidClientConfig {
+                PublishError::config(format!("redis.url is not usable: {e}"))
+            } else {
+                PublishError::from_redis(e)
+            }
+        })?;
         Ok(Self {
             conn,
             prefix: settings.key_prefix.clone(),
         })
+    }
+
+    /// The connection (shared by clones).
+    pub fn connection(&self) -> &RedisConn {
+        &self.conn
     }
 
     /// The full key of a stream name.
@@ -123,10 +142,10 @@ impl Publisher {
         format!("{}{name}", self.prefix)
     }
 
-    /// The fence key of a stream: a hash (partition → epoch) whose hash tag is the stream key, so
-    /// both land in the same Redis Cluster slot.
-    pub fn fence_key(&self, stream_key: &str) -> String {
-        format!("{}outpost:fence:{{{stream_key}}}", self.prefix)
+    /// The fence key of a stream: a hash (partition → epoch) in the stream's hash slot, so both
+    /// are on the same Redis Cluster node and one script can check one and append to the other.
+    pub fn fence_key(&self, stream_key: &str) -> Result<String, PublishError> {
+        companion_key(&self.prefix, "fence", stream_key).map_err(|e| PublishError::event("KEY", e))
     }
 
     /// Round trip to Redis (readiness).
@@ -139,9 +158,12 @@ impl Publisher {
         Ok(())
     }
 
-    /// Appends every batch, each fenced by its partition's epoch, in one pipelined call. An
-    /// `Err` means the outcome of the whole call is unknown (connection lost, timeout): some
-    /// entries may have been appended.
+    /// Appends every batch, each fenced by its partition's epoch, in one round of calls.
+    ///
+    /// `Err` when no call got through: each one failed transiently, before running (Redis
+    /// loading, out of memory, cluster down) or with its outcome unknown (connection lost,
+    /// timeout: some entries may have been appended). When only some calls failed that way,
+    /// theirs are [`StreamOutcome::Failed`] with that error and no ids.
     pub async fn publish(
         &self,
         batches: &[StreamBatch],
@@ -149,57 +171,72 @@ impl Publisher {
         if batches.is_empty() {
             return Ok(Vec::new());
         }
-        let mut c = self.conn.clone();
-        let replies = match self.run(&mut c, batches).await {
-            Err(e) if e.is_noscript() => {
-                script::load(&mut c).await?;
-                self.run(&mut c, batches).await?
-            }
-            other => other?,
-        };
-        Ok(replies)
-    }
-
-    async fn run(
-        &self,
-        c: &mut ConnectionManager,
-        batches: &[StreamBatch],
-    ) -> Result<Vec<StreamOutcome>, PublishError> {
-        let mut pipe = redis::pipe();
-        pipe.ignore_errors();
-        for b in batches {
-            pipe.add_command(script::call(
-                &self.fence_key(&b.stream),
-                &b.stream,
-                b.partition,
-                b.epoch,
-                b.known,
-                &b.entries,
-            ));
-        }
-        let replies: Vec<redis::RedisResult<Value>> = pipe
-            .query_async(c)
-            .await
-            .map_err(PublishError::from_redis)?;
-        let mut out = Vec::with_capacity(replies.len());
-        for reply in replies {
-            match reply {
-                Ok(v) => out.push(script::parse_reply(v)?),
-                Err(e) => {
-                    let err = PublishError::from_redis(e);
-                    if err.class() == ErrorClass::Permanent {
-                        out.push(StreamOutcome::Failed {
-                            ids: Vec::new(),
-                            error: err,
-                        });
-                    } else {
-                        // NOSCRIPT, OOM, LOADING, a cluster redirect...: the call as a whole
-                        // must be retried.
-                        return Err(err);
-                    }
+        let mut out: Vec<Option<StreamOutcome>> = vec![None; batches.len()];
+        let mut todo: Vec<usize> = Vec::with_capacity(batches.len());
+        let mut calls: Vec<(&str, redis::Cmd)> = Vec::with_capacity(batches.len());
+        for (i, b) in batches.iter().enumerate() {
+            match self.fence_key(&b.stream) {
+                Ok(fence) => {
+                    todo.push(i);
+                    calls.push((
+                        b.stream.as_str(),
+                        script::call(&fence, &b.stream, b.partition, b.epoch, b.known, &b.entries),
+                    ));
+                }
+                Err(error) => {
+                    out[i] = Some(StreamOutcome::Failed {
+                        ids: Vec::new(),
+                        error,
+                    });
                 }
             }
         }
-        Ok(out)
+        // A node that never saw the script (a restarted Redis, a cluster node that just took
+        // over a slot) answers NOSCRIPT without running anything: load it and send those again.
+        let mut loaded = false;
+        while !calls.is_empty() {
+            let replies = self.conn.run_keyed(&calls).await;
+            let mut again = Vec::new();
+            for ((i, call), reply) in todo.iter().zip(calls.iter()).zip(replies) {
+                out[*i] = Some(match reply {
+                    Ok(v) => script::parse_reply(v)?,
+                    Err(e) => {
+                        let error = PublishError::from_redis(e);
+                        if error.is_noscript() && !loaded {
+                            again.push((*i, call.clone()));
+                            continue;
+                        }
+                        StreamOutcome::Failed {
+                            ids: Vec::new(),
+                            error,
+                        }
+                    }
+                });
+            }
+            if !again.is_empty() {
+                script::load(&mut self.conn.clone()).await?;
+                loaded = true;
+            }
+            (todo, calls) = again.into_iter().unzip();
+        }
+        // Nothing went through anywhere (Redis down, every node refusing): one error for all.
+        let refused = |o: &Option<StreamOutcome>| {
+            matches!(o, Some(StreamOutcome::Failed { ids, error })
+                if ids.is_empty() && error.class() == ErrorClass::Transient)
+        };
+        if out.iter().all(refused)
+            && let Some(Some(StreamOutcome::Failed { error, .. })) = out.first()
+        {
+            return Err(error.clone());
+        }
+        Ok(out
+            .into_iter()
+            .map(|o| {
+                o.unwrap_or_else(|| StreamOutcome::Failed {
+                    ids: Vec::new(),
+                    error: PublishError::event("PROTOCOL", "no reply for this stream"),
+                })
+            })
+            .collect())
     }
 }

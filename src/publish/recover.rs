@@ -36,17 +36,16 @@ impl Publisher {
         if streams.is_empty() {
             return Ok(Vec::new());
         }
-        let mut pipe = redis::pipe();
-        pipe.ignore_errors();
+        let mut calls = Vec::with_capacity(streams.len() * 2);
         for s in streams {
-            pipe.cmd("EXISTS").arg(self.fence_key(s));
-            pipe.cmd("XINFO").arg("STREAM").arg(s);
+            let mut exists = redis::cmd("EXISTS");
+            exists.arg(self.fence_key(s)?);
+            let mut info = redis::cmd("XINFO");
+            info.arg("STREAM").arg(s);
+            calls.push((s.as_str(), exists));
+            calls.push((s.as_str(), info));
         }
-        let mut c = self.conn.clone();
-        let replies: Vec<redis::RedisResult<Value>> = pipe
-            .query_async(&mut c)
-            .await
-            .map_err(PublishError::from_redis)?;
+        let replies = self.conn.run_keyed(&calls).await;
         let mut out = Vec::with_capacity(streams.len());
         for pair in replies.chunks(2) {
             let fence = match pair.first() {
@@ -74,7 +73,7 @@ impl Publisher {
         let script = redis::Script::new(RAISE_FENCES);
         let mut c = self.conn.clone();
         for s in streams {
-            let mut call = script.key(self.fence_key(s));
+            let mut call = script.key(self.fence_key(s)?);
             for (p, e) in epochs {
                 call.arg(*p).arg(*e);
             }

@@ -25,6 +25,46 @@ impl ServerFacts {
         self.maxmemory_policy != "noeviction"
     }
 
+    /// One view of several primaries (a cluster, by address): the run ids joined as
+    /// `address=run_id,…` (any node that restarts or fails over changes it), the first policy
+    /// that may evict, persistence only when every primary has it, the lowest version.
+    fn combine<'a>(nodes: impl IntoIterator<Item = (&'a str, Self)>) -> Self {
+        let nodes: Vec<(&str, Self)> = nodes.into_iter().collect();
+        if let [(_, one)] = nodes.as_slice() {
+            return one.clone();
+        }
+        let mut run_ids: Vec<String> = nodes
+            .iter()
+            .map(|(addr, f)| format!("{addr}={}", f.run_id))
+            .collect();
+        run_ids.sort();
+        let mut policy = nodes
+            .iter()
+            .map(|(_, f)| f.maxmemory_policy.clone())
+            .find(|p| p != "noeviction");
+        if policy.is_none() && !nodes.is_empty() {
+            policy = Some("noeviction".to_owned());
+        }
+        Self {
+            run_id: if nodes.iter().any(|(_, f)| f.run_id.is_empty()) {
+                String::new()
+            } else {
+                run_ids.join(",")
+            },
+            maxmemory_policy: policy.unwrap_or_default(),
+            aof_enabled: !nodes.is_empty() && nodes.iter().all(|(_, f)| f.aof_enabled),
+            version: nodes
+                .iter()
+                .map(|(_, f)| f.version.clone())
+                .min_by_key(|v| {
+                    v.split('.')
+                        .map(|p| p.parse::<u32>().unwrap_or(0))
+                        .collect::<Vec<_>>()
+                })
+                .unwrap_or_default(),
+        }
+    }
+
     fn parse(info: &str) -> Self {
         let mut facts = Self::default();
         for line in info.lines() {
@@ -54,17 +94,19 @@ pub struct PersistenceConfig {
 }
 
 impl Publisher {
-    /// Reads [`ServerFacts`] in one round trip; doubles as the readiness ping.
+    /// Reads [`ServerFacts`] in one round trip (one per primary on a cluster); doubles as the
+    /// readiness ping.
     pub async fn server_facts(&self) -> Result<ServerFacts, PublishError> {
-        let mut c = self.conn.clone();
-        let info: String = redis::cmd("INFO")
-            .arg("server")
-            .arg("memory")
-            .arg("persistence")
-            .query_async(&mut c)
+        let infos = self
+            .conn
+            .info_all(&["server", "memory", "persistence"])
             .await
             .map_err(PublishError::from_redis)?;
-        let facts = ServerFacts::parse(&info);
+        let facts = ServerFacts::combine(
+            infos
+                .iter()
+                .map(|(addr, text)| (addr.as_str(), ServerFacts::parse(text))),
+        );
         if facts.run_id.is_empty() {
             return Err(PublishError::event(
                 "PROTOCOL",
@@ -110,5 +152,26 @@ mod tests {
         assert_eq!(f.version, "7.0.15");
         assert!(f.aof_enabled);
         assert!(f.may_evict());
+    }
+
+    #[test]
+    fn combines_cluster_primaries() {
+        let node = |run_id: &str, policy: &str, aof: bool, version: &str| ServerFacts {
+            run_id: run_id.to_owned(),
+            maxmemory_policy: policy.to_owned(),
+            aof_enabled: aof,
+            version: version.to_owned(),
+        };
+        let f = ServerFacts::combine([
+            ("b:2", node("r2", "noeviction", true, "7.0.15")),
+            ("a:1", node("r1", "allkeys-lru", true, "7.10.0")),
+            ("c:3", node("r3", "noeviction", false, "7.2.0")),
+        ]);
+        assert_eq!(f.run_id, "a:1=r1,b:2=r2,c:3=r3");
+        assert!(f.may_evict());
+        assert!(!f.aof_enabled);
+        assert_eq!(f.version, "7.0.15");
+        let one = node("r", "noeviction", false, "7.0.15");
+        assert_eq!(ServerFacts::combine([("", one.clone())]), one);
     }
 }

@@ -15,6 +15,7 @@ use std::time::Duration;
 use outpost::store::{self, ConnectSettings, Store, admin};
 
 pub mod consumer;
+pub mod redis_cluster;
 
 /// Server URL of the test PostgreSQL.
 pub fn server_url() -> String {
@@ -269,7 +270,7 @@ pub fn relay_config_with(
 
 /// Every entry of a stream: (entry id, fields), read in pages.
 pub async fn read_stream(
-    conn: &mut redis::aio::MultiplexedConnection,
+    conn: &mut (impl redis::aio::ConnectionLike + Send),
     key: &str,
 ) -> Vec<(String, std::collections::HashMap<String, String>)> {
     let mut out = Vec::new();
@@ -307,7 +308,7 @@ pub async fn read_stream(
 
 /// Entries of every stream under `prefix` matching `events:*`, keyed by stream.
 pub async fn read_streams(
-    conn: &mut redis::aio::MultiplexedConnection,
+    conn: &mut (impl redis::aio::ConnectionLike + Send),
     prefix: &str,
 ) -> std::collections::BTreeMap<String, Vec<(String, std::collections::HashMap<String, String>)>> {
     let keys: Vec<String> = redis::cmd("KEYS")
@@ -346,7 +347,10 @@ pub struct Deliveries {
 
 impl Deliveries {
     /// Collects deliveries from every stream under `prefix`.
-    pub async fn collect(conn: &mut redis::aio::MultiplexedConnection, prefix: &str) -> Self {
+    pub async fn collect(
+        conn: &mut (impl redis::aio::ConnectionLike + Send),
+        prefix: &str,
+    ) -> Self {
         let mut d = Deliveries::default();
         for (_, entries) in read_streams(conn, prefix).await {
             let mut highest: std::collections::HashMap<(String, String), i64> =
@@ -487,6 +491,41 @@ pub async fn wait_exit(child: &mut std::process::Child, secs: u64) -> std::proce
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// Commits `facts` in one transaction through the producer API; returns their ids.
+pub async fn commit_facts(store: &Store, facts: Vec<outpost::produce::EventFact>) -> Vec<String> {
+    use sea_orm::TransactionTrait;
+    let ids = facts.iter().map(|f| f.id().to_string()).collect();
+    let txn = store.connection().begin().await.expect("begin");
+    outpost::produce::Producer::default()
+        .enqueue_facts(&txn, facts)
+        .await
+        .expect("enqueue");
+    txn.commit().await.expect("commit");
+    ids
+}
+
+/// A writer committing `facts(i)` for i = 0, 1, 2, … one transaction each, until `stop`;
+/// returns the ids it committed.
+pub fn write_until<F>(
+    db: &TestDb,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    facts: F,
+) -> tokio::task::JoinHandle<Vec<String>>
+where
+    F: Fn(u64) -> Vec<outpost::produce::EventFact> + Send + 'static,
+{
+    let store = db.store.clone();
+    tokio::spawn(async move {
+        let mut ids = Vec::new();
+        let mut i = 0u64;
+        while !stop.load(Ordering::Relaxed) {
+            ids.extend(commit_facts(&store, facts(i)).await);
+            i += 1;
+        }
+        ids
+    })
 }
 
 /// The single `int8` value `sql` returns.
