@@ -178,11 +178,7 @@ impl Run<'_> {
                 .arg(">")
                 .query_async(conn)
                 .await?;
-            let entries: Vec<_> = reply
-                .into_iter()
-                .flat_map(|r| r.keys)
-                .flat_map(|k| k.ids)
-                .collect();
+            let entries = super::tail::flatten(reply);
             if entries.is_empty() {
                 break;
             }

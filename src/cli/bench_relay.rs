@@ -10,16 +10,18 @@
 
 use std::num::NonZeroU32;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use clap::{Args, ValueEnum};
 use redis::aio::MultiplexedConnection;
 
+use super::bench_latency::{self, Arrivals, Percentiles};
 use super::scratch::Scratch;
 use crate::config::{Config, Secret};
 use crate::dispatch::node::{self, NodeHandle};
-use crate::produce::load::{LoadReport, LoadSpec, WriteTarget, run_load};
+use crate::produce::load::{Committed, LoadReport, LoadSpec, WriteTarget, run_load};
 use crate::produce::{Limits, Producer};
 use crate::store::bench::BareOrder;
 use crate::store::{self, Store};
@@ -486,21 +488,32 @@ impl Bench<'_> {
         let args = self.args;
         println!();
         println!(
-            "== steady state: {} producers, 1 event per transaction, {} s per rate; latency = \
-             published_at - recorded_at of every published row (insert, inside the producer's \
-             transaction, to the start of the node's mark transaction, after Redis acknowledged)",
+            "== steady state: {} producers, 1 event per transaction, {} s per rate",
             args.steady_writers, args.steady_secs
         );
         println!(
-            "{:>9} {:>9} {:>10} {:>9} {:>8} {:>8} {:>8} {:>9} {:>7} {:>7} {:>7}",
+            "   commit->stream: from the producer's commit returning to a reader blocked on the \
+             stream (XREAD) seeing the entry"
+        );
+        println!(
+            "   insert->mark: published_at - recorded_at of every row (the insert, inside the \
+             producer's transaction, to the node's mark after Redis acknowledged)"
+        );
+        println!(
+            "{:>9} {:>9} {:>10} | {:>28} | {:>15} | {:>5} {:>5} {:>6}",
+            "", "", "", "commit->stream ms", "insert->mark ms", "", "", ""
+        );
+        println!(
+            "{:>9} {:>9} {:>10} | {:>6} {:>6} {:>6} {:>7} | {:>7} {:>7} | {:>5} {:>5} {:>6}",
             "offered/s",
             "events",
             "achieved/s",
-            "published",
-            "p50 ms",
-            "p90 ms",
-            "p99 ms",
-            "max ms",
+            "p50",
+            "p90",
+            "p99",
+            "max",
+            "p50",
+            "p99",
             "proc%",
             "pg%",
             "redis%"
@@ -528,20 +541,35 @@ impl Bench<'_> {
                     writers: args.steady_writers,
                     target: WriteTarget::Outbox,
                 };
-                let report = run_load(&self.store, &self.producer(), &spec, noop()).await?;
+                let arrivals = Arrivals::new(spec.count);
+                let stop = Arc::new(AtomicBool::new(false));
+                let watcher = tokio::spawn(bench_latency::watch(
+                    self.redis.clone(),
+                    self.stream_key(&spec)?,
+                    arrivals.clone(),
+                    stop.clone(),
+                ));
+                let report =
+                    run_load(&self.store, &self.producer(), &spec, arrivals.on_commit()).await?;
                 let tail = Instant::now();
                 while self.store.has_unpublished().await? && tail.elapsed() < STEADY_TAIL {
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
                 let after = self.snapshot().await;
-                Ok::<_, anyhow::Error>((report, before.diff(&after, self.clk_tck)))
+                stop.store(true, Ordering::Relaxed);
+                watcher.await.context("the stream reader failed")??;
+                Ok::<_, anyhow::Error>((
+                    report,
+                    before.diff(&after, self.clk_tck),
+                    arrivals.percentiles(),
+                ))
             }
             .await;
             node.shutdown().await;
-            let (report, usage) = measured?;
+            let (report, usage, seen) = measured?;
             let lat = self.store.publish_latency().await?;
             let left = self.store.unpublished_count().await?;
-            print_steady_row(rate, &report, &lat, &usage);
+            print_steady_row(rate, &report, &seen, &lat, &usage);
             if left > 0 {
                 println!(
                     "WARNING: {left} events were still unpublished {} s after the load ended; \
@@ -654,6 +682,28 @@ impl Bench<'_> {
         Ok(handle)
     }
 
+    /// The one stream the steady load's events go to.
+    fn stream_key(&self, spec: &LoadSpec) -> anyhow::Result<String> {
+        let template = self
+            .config
+            .routing
+            .template_for(&spec.event_type)
+            .context("the steady load's event type has no destination in [routing]")?;
+        if template.contains("{partition}") {
+            bail!(
+                "routing.stream {template:?} spreads the load over partitions; the steady part \
+                 reads one stream (use a template without {{partition}})"
+            );
+        }
+        Ok(format!(
+            "{}{}",
+            self.prefix,
+            template
+                .replace("{aggregate_type}", &spec.aggregate_type)
+                .replace("{event_type}", &spec.event_type)
+        ))
+    }
+
     /// Waits until the node owns every partition.
     async fn wait_owned(&self, node: &NodeHandle) -> anyhow::Result<()> {
         let deadline = Instant::now() + Duration::from_secs(30);
@@ -721,13 +771,14 @@ async fn bare_loop(
     }
 }
 
-pub(super) fn noop() -> Arc<dyn Fn(u64) + Send + Sync> {
+pub(super) fn noop() -> Arc<dyn Fn(Committed) + Send + Sync> {
     Arc::new(|_| {})
 }
 
 fn print_steady_row(
     rate: u32,
     report: &LoadReport,
+    seen: &Percentiles,
     lat: &store::bench::PublishLatency,
     usage: &Usage,
 ) {
@@ -738,19 +789,26 @@ fn print_steady_row(
         })
     };
     println!(
-        "{:>9} {:>9} {:>10.0} {:>9} {:>8} {:>8} {:>8} {:>9} {:>7} {:>7} {:>7}",
+        "{:>9} {:>9} {:>10.0} | {:>6} {:>6} {:>6} {:>7} | {:>7} {:>7} | {:>5} {:>5} {:>6}",
         rate,
         report.events,
         report.events_per_sec(),
-        lat.rows,
+        ms(seen.p50),
+        ms(seen.p90),
+        ms(seen.p99),
+        ms(seen.max),
         ms(lat.p50),
-        ms(lat.p90),
         ms(lat.p99),
-        ms(lat.max),
         pct(usage.proc_cpu),
         pct(usage.pg_cpu),
         pct(usage.redis_cpu)
     );
+    if seen.events as u64 != report.events || lat.rows != report.events as i64 {
+        println!(
+            "          ({} of {} events seen in the stream, {} rows marked published)",
+            seen.events, report.events, lat.rows
+        );
+    }
 }
 
 // -------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 
 mod bench;
 mod bench_consumer;
+mod bench_latency;
 mod bench_relay;
 mod bench_retention;
 mod config_cmd;

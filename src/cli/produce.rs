@@ -7,7 +7,7 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::config::Config;
-use crate::produce::load::{LoadSpec, WriteTarget, run_load};
+use crate::produce::load::{Committed, LoadSpec, WriteTarget, run_load};
 use crate::produce::{Limits, Producer};
 
 /// Options of `outpost produce`.
@@ -69,7 +69,7 @@ pub(super) async fn run(config: &Config, args: ProduceArgs) -> anyhow::Result<()
         &store,
         &producer,
         &spec,
-        Arc::new(move |n| b.set_position(n)),
+        Arc::new(move |c: Committed| b.set_position(c.total)),
     )
     .await?;
     bar.finish_and_clear();

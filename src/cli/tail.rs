@@ -111,19 +111,9 @@ pub(super) async fn run(config: &Config, args: TailArgs) -> anyhow::Result<()> {
         if !args.no_follow {
             opts = opts.block(5000);
         }
-        let reply: Option<StreamReadReply> = redis::cmd("XREAD")
-            .arg(&opts)
-            .arg("STREAMS")
-            .arg(&key)
-            .arg(&last)
-            .query_async(&mut conn)
+        let entries = read_after(&mut conn, &key, &last, &opts)
             .await
             .with_context(|| format!("reading {key}"))?;
-        let entries: Vec<_> = reply
-            .into_iter()
-            .flat_map(|r| r.keys)
-            .flat_map(|k| k.ids)
-            .collect();
         if entries.is_empty() && args.no_follow {
             return Ok(());
         }
@@ -219,4 +209,30 @@ fn print_entry(e: RawEntry, json: bool) {
             }
         }
     }
+}
+
+/// `XREAD … STREAMS key last`: the entries of one stream after `last`, flattened.
+pub(super) async fn read_after(
+    conn: &mut impl redis::aio::ConnectionLike,
+    key: &str,
+    last: &str,
+    opts: &StreamReadOptions,
+) -> redis::RedisResult<Vec<redis::streams::StreamId>> {
+    let reply: Option<StreamReadReply> = redis::cmd("XREAD")
+        .arg(opts)
+        .arg("STREAMS")
+        .arg(key)
+        .arg(last)
+        .query_async(conn)
+        .await?;
+    Ok(flatten(reply))
+}
+
+/// The entries of an `XREAD`/`XREADGROUP` reply, in order.
+pub(super) fn flatten(reply: Option<StreamReadReply>) -> Vec<redis::streams::StreamId> {
+    reply
+        .into_iter()
+        .flat_map(|r| r.keys)
+        .flat_map(|k| k.ids)
+        .collect()
 }

@@ -66,13 +66,24 @@ impl LoadReport {
     }
 }
 
-/// Writes `spec.count` events with `spec.writers` concurrent writers. `progress` is called with
-/// the number of events committed so far, after every commit.
+/// One committed transaction of a load, as its progress callback sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Committed {
+    /// Events committed so far, by every writer.
+    pub total: u64,
+    /// Load index of the transaction's first event (the payload's `n`).
+    pub first: u64,
+    /// Events in the transaction (load indexes `first..first + count`).
+    pub count: u64,
+}
+
+/// Writes `spec.count` events with `spec.writers` concurrent writers. `progress` is called after
+/// every commit, as soon as the commit returned.
 pub async fn run_load(
     store: &Store,
     producer: &Producer,
     spec: &LoadSpec,
-    progress: Arc<dyn Fn(u64) + Send + Sync>,
+    progress: Arc<dyn Fn(Committed) + Send + Sync>,
 ) -> Result<LoadReport, ProduceError> {
     let tx_size = spec.tx_size.max(1);
     let limiter = spec.rate.map(|r| {
@@ -131,7 +142,11 @@ pub async fn run_load(
                 txn.commit().await.map_err(StoreError::from_db)?;
                 commits.fetch_add(1, Ordering::Relaxed);
                 let total = done.fetch_add(n, Ordering::Relaxed) + n;
-                progress(total);
+                progress(Committed {
+                    total,
+                    first,
+                    count: n,
+                });
             }
         }));
     }

@@ -119,11 +119,12 @@ pub struct PublishLatency {
 }
 
 impl Store {
-    /// Empties the outbox and the aggregate sequences (a fresh table for the next benchmark
-    /// part), then checkpoints so the part does not pay for the previous part's dirty pages.
+    /// Empties the outbox, the aggregate sequences and the recorded stream positions (a fresh
+    /// start for the next benchmark part, whose streams are deleted with it), then checkpoints
+    /// so the part does not pay for the previous part's dirty pages.
     pub async fn truncate_outbox(&self) -> Result<(), StoreError> {
         self.connection()
-            .execute_unprepared("TRUNCATE outpost_event, outpost_aggregate")
+            .execute_unprepared("TRUNCATE outpost_event, outpost_aggregate, outpost_stream")
             .await
             .map_err(StoreError::from_db)?;
         self.checkpoint().await
