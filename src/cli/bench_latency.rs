@@ -89,7 +89,7 @@ impl Arrivals {
     }
 }
 
-/// Reads `key` from its current end, stamping each entry's arrival by the load index in its
+/// Reads `key` from its start (each steady run begins with the stream deleted), stamping each entry's arrival by the load index in its
 /// payload (`"n"`), until every index was seen or `stop` is set and the stream is quiet.
 pub(super) async fn watch(
     client: redis::Client,
@@ -102,7 +102,7 @@ pub(super) async fn watch(
     let mut conn = client
         .get_multiplexed_async_connection_with_config(&config)
         .await?;
-    let mut last = "$".to_owned();
+    let mut last = "0-0".to_owned();
     let total = arrivals.seen.len();
     let mut seen = 0usize;
     loop {

@@ -7,7 +7,7 @@
 //!
 //! A cluster refuses a pipeline whose commands live in different hash slots, and its client
 //! retries a whole pipeline when one command in it is redirected (running the others twice), so
-//! [`RedisConn::run_keyed`] sends a batch's commands one by one, all at once, on a cluster. Every
+//! [`RedisConn::run_each`] sends a batch's commands one by one, all at once, on a cluster. Every
 //! key Outpost writes next to a stream (its fence, the consumer helper's counts) shares the
 //! stream's slot ([`companion_key`]), so one script can touch both.
 
@@ -106,19 +106,18 @@ impl RedisConn {
         matches!(self, Self::Cluster(_))
     }
 
-    /// Runs `cmds`, each with the key that decides where it runs, and returns each command's
-    /// result in the order given. On a single Redis they go as one pipeline, which runs them in
+    /// Runs `cmds` and returns each command's result in the order given. On a single Redis they go as one pipeline, which runs them in
     /// order; a pipeline that failed as a whole (connection lost, timeout) gives its error to
     /// each command. On a cluster each command is sent on its own, all at once (the connection
     /// to each master still pipelines them on the wire), in no promised order: the cluster
     /// client retries a whole pipeline when one of its commands is redirected, which would run
     /// the others twice — for the publish script, append their entries twice.
-    pub async fn run_keyed(&self, cmds: &[(&str, Cmd)]) -> Vec<RedisResult<Value>> {
+    pub async fn run_each(&self, cmds: &[Cmd]) -> Vec<RedisResult<Value>> {
         match self {
             Self::Single(c) => {
                 let mut pipe = redis::pipe();
                 pipe.ignore_errors();
-                for (_, cmd) in cmds {
+                for cmd in cmds {
                     pipe.add_command(cmd.clone());
                 }
                 match pipe
@@ -139,7 +138,7 @@ impl RedisConn {
                 }
             }
             Self::Cluster(c) => {
-                join_all(cmds.iter().map(|(_, cmd)| {
+                join_all(cmds.iter().map(|cmd| {
                     let mut conn = c.clone();
                     async move { cmd.query_async::<Value>(&mut conn).await }
                 }))

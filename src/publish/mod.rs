@@ -4,7 +4,7 @@
 //! script that first checks the partition's fencing epoch at Redis (a hash field next to the
 //! stream, in the same hash slot) and only then runs the `XADD`s — atomically, so a node that lost
 //! its lease cannot append behind the new owner's entries. The calls of one batch are pipelined
-//! (on a Redis Cluster: sent one by one, all at once; see [`RedisConn::run_keyed`]).
+//! (on a Redis Cluster: sent one by one, all at once; see [`RedisConn::run_each`]).
 
 mod conn;
 mod entry;
@@ -173,14 +173,18 @@ impl Publisher {
         }
         let mut out: Vec<Option<StreamOutcome>> = vec![None; batches.len()];
         let mut todo: Vec<usize> = Vec::with_capacity(batches.len());
-        let mut calls: Vec<(&str, redis::Cmd)> = Vec::with_capacity(batches.len());
+        let mut calls: Vec<redis::Cmd> = Vec::with_capacity(batches.len());
         for (i, b) in batches.iter().enumerate() {
             match self.fence_key(&b.stream) {
                 Ok(fence) => {
                     todo.push(i);
-                    calls.push((
-                        b.stream.as_str(),
-                        script::call(&fence, &b.stream, b.partition, b.epoch, b.known, &b.entries),
+                    calls.push(script::call(
+                        &fence,
+                        &b.stream,
+                        b.partition,
+                        b.epoch,
+                        b.known,
+                        &b.entries,
                     ));
                 }
                 Err(error) => {
@@ -195,7 +199,7 @@ impl Publisher {
         // over a slot) answers NOSCRIPT without running anything: load it and send those again.
         let mut loaded = false;
         while !calls.is_empty() {
-            let replies = self.conn.run_keyed(&calls).await;
+            let replies = self.conn.run_each(&calls).await;
             let mut again = Vec::new();
             for ((i, call), reply) in todo.iter().zip(calls.iter()).zip(replies) {
                 out[*i] = Some(match reply {

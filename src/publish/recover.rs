@@ -42,10 +42,10 @@ impl Publisher {
             exists.arg(self.fence_key(s)?);
             let mut info = redis::cmd("XINFO");
             info.arg("STREAM").arg(s);
-            calls.push((s.as_str(), exists));
-            calls.push((s.as_str(), info));
+            calls.push(exists);
+            calls.push(info);
         }
-        let replies = self.conn.run_keyed(&calls).await;
+        let replies = self.conn.run_each(&calls).await;
         let mut out = Vec::with_capacity(streams.len());
         for pair in replies.chunks(2) {
             let fence = match pair.first() {
