@@ -5,6 +5,7 @@
 
 pub mod outpost_aggregate;
 pub mod outpost_audit;
+pub mod outpost_backlog;
 pub mod outpost_event;
 pub mod outpost_inbox;
 pub mod outpost_node;

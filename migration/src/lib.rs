@@ -12,6 +12,7 @@ mod m20261201_000001_outbox;
 mod m20261201_000002_lease_fence_key;
 mod m20261201_000003_consumer;
 mod m20261201_000004_retention;
+mod m20261201_000005_backlog;
 
 /// The ordered list of Outpost's migrations, recorded in `outpost_migrations`.
 #[derive(Debug)]
@@ -25,6 +26,7 @@ impl MigratorTrait for Migrator {
             Box::new(m20261201_000002_lease_fence_key::Migration),
             Box::new(m20261201_000003_consumer::Migration),
             Box::new(m20261201_000004_retention::Migration),
+            Box::new(m20261201_000005_backlog::Migration),
         ]
     }
 

@@ -207,10 +207,10 @@ impl NodeSupervisor {
             polling: false,
             shutdown: None,
             to_release: Vec::new(),
-            // Refresh the backlog gauges at the first tick, then only after work.
+            // Refresh the backlog gauges at the first tick, then every `BACKLOG_EVERY`.
             worked_since_backlog: true,
             last_backlog: Instant::now()
-                .checked_sub(Duration::from_secs(15))
+                .checked_sub(BACKLOG_EVERY)
                 .unwrap_or_else(Instant::now),
         }
     }
@@ -535,14 +535,17 @@ impl NodeSupervisor {
     /// Backlog gauges: refreshed at most every 15 s, and only after work was done, so an idle
     /// node stays within its query budget.
     fn refresh_backlog(&mut self, ctx: &mut Context<Self>) {
-        if !self.worked_since_backlog || self.last_backlog.elapsed() < Duration::from_secs(15) {
+        if self.last_backlog.elapsed() < BACKLOG_EVERY {
             return;
         }
-        self.worked_since_backlog = false;
+        // Counting scans the outbox, so the nodes take turns: one node counts per period (a
+        // node that has not worked since its last look leaves it to the others) and the others
+        // read its figures.
+        let may_count = std::mem::take(&mut self.worked_since_backlog);
         self.last_backlog = Instant::now();
         let store = self.store.clone();
         ctx.spawn(
-            async move { crate::store::backlog(&store).await }
+            async move { store.shared_backlog(BACKLOG_EVERY, may_count).await }
                 .into_actor(self)
                 .map(|res, _act, _ctx| {
                     if let Ok(b) = res {
@@ -910,6 +913,9 @@ impl Handler<OwnedPartitions> for NodeSupervisor {
         )
     }
 }
+
+/// How often the backlog gauges are refreshed (and, across the cluster, counted).
+const BACKLOG_EVERY: Duration = Duration::from_secs(15);
 
 fn ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)

@@ -1,5 +1,8 @@
 //! Backlog figures for operators (`outpost status`, metrics, the panel).
 
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
 use sea_orm::ConnectionTrait;
 
 use super::{Store, StoreError, stmt};
@@ -63,21 +66,7 @@ pub struct Backlog {
 /// Reads the backlog figures. Counting by state scans the table; the other figures use indexes.
 pub async fn backlog(store: &Store) -> Result<Backlog, StoreError> {
     let db = store.connection();
-    let by_status = db
-        .query_all_raw(stmt(
-            "SELECT status, count(*) FROM outpost_event GROUP BY status ORDER BY status",
-            [],
-        ))
-        .await
-        .map_err(StoreError::from_db)?
-        .into_iter()
-        .map(|r| {
-            Ok(StatusCount {
-                status: r.try_get_by_index(0).map_err(StoreError::from_db)?,
-                rows: r.try_get_by_index(1).map_err(StoreError::from_db)?,
-            })
-        })
-        .collect::<Result<Vec<_>, StoreError>>()?;
+    let by_status = count_by_status(db).await?;
 
     let partitions = db
         .query_all_raw(stmt(
@@ -103,26 +92,7 @@ pub async fn backlog(store: &Store) -> Result<Backlog, StoreError> {
         })
         .collect::<Result<Vec<_>, StoreError>>()?;
 
-    let oldest = db
-        .query_one_raw(stmt(
-            "SELECT extract(epoch FROM now() - min(t.recorded_at))::float8 FROM ( \
-               SELECT e.recorded_at FROM outpost_partition p, LATERAL ( \
-                 SELECT recorded_at FROM outpost_event \
-                 WHERE partition = p.partition AND status IN ('pending', 'retry_wait') \
-                 ORDER BY id LIMIT 1) e \
-               UNION ALL \
-               (SELECT recorded_at FROM outpost_event WHERE status = 'held' ORDER BY id LIMIT 1) \
-             ) t",
-            [],
-        ))
-        .await
-        .map_err(StoreError::from_db)?;
-    let oldest_pending_age_secs = match oldest {
-        Some(r) => r
-            .try_get_by_index::<Option<f64>>(0)
-            .map_err(StoreError::from_db)?,
-        None => None,
-    };
+    let (_, oldest_pending_age_secs) = oldest_undelivered(db).await?;
     let nodes = db
         .query_all_raw(stmt(
             "SELECT n.node_id, n.hostname, n.pid, n.version, \
@@ -151,4 +121,132 @@ pub async fn backlog(store: &Store) -> Result<Backlog, StoreError> {
         nodes,
         oldest_pending_age_secs,
     })
+}
+
+/// Rows by state (a scan of the outbox).
+async fn count_by_status(db: &impl ConnectionTrait) -> Result<Vec<StatusCount>, StoreError> {
+    db.query_all_raw(stmt(
+        "SELECT status, count(*) FROM outpost_event GROUP BY status ORDER BY status",
+        [],
+    ))
+    .await
+    .map_err(StoreError::from_db)?
+    .into_iter()
+    .map(|r| {
+        Ok(StatusCount {
+            status: r.try_get_by_index(0).map_err(StoreError::from_db)?,
+            rows: r.try_get_by_index(1).map_err(StoreError::from_db)?,
+        })
+    })
+    .collect()
+}
+
+/// When the oldest undelivered row (pending, retrying or held) was recorded, and its age in
+/// seconds by the database clock; both `None` when there is none. Uses indexes only.
+async fn oldest_undelivered(
+    db: &impl ConnectionTrait,
+) -> Result<(Option<DateTime<Utc>>, Option<f64>), StoreError> {
+    let row = db
+        .query_one_raw(stmt(
+            "SELECT min(t.recorded_at), extract(epoch FROM now() - min(t.recorded_at))::float8 \
+             FROM ( \
+               SELECT e.recorded_at FROM outpost_partition p, LATERAL ( \
+                 SELECT recorded_at FROM outpost_event \
+                 WHERE partition = p.partition AND status IN ('pending', 'retry_wait') \
+                 ORDER BY id LIMIT 1) e \
+               UNION ALL \
+               (SELECT recorded_at FROM outpost_event WHERE status = 'held' ORDER BY id LIMIT 1) \
+             ) t",
+            [],
+        ))
+        .await
+        .map_err(StoreError::from_db)?;
+    match row {
+        Some(r) => Ok((
+            r.try_get_by_index(0).map_err(StoreError::from_db)?,
+            r.try_get_by_index(1).map_err(StoreError::from_db)?,
+        )),
+        None => Ok((None, None)),
+    }
+}
+
+/// The backlog figures every node reports as metrics.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BacklogFigures {
+    /// Rows by state (states with no rows are left out).
+    pub by_status: Vec<StatusCount>,
+    /// Age in seconds of the oldest undelivered row, by the database clock.
+    pub oldest_pending_age_secs: Option<f64>,
+    /// This call counted them (rather than reading another node's count).
+    pub counted: bool,
+}
+
+impl Store {
+    /// The cluster's backlog figures, counted at most once per `every` by all nodes together.
+    /// When the stored count is older than `every` and `may_count`, this call claims the refresh
+    /// (so no other node counts meanwhile), counts and stores the figures; otherwise it reads
+    /// the stored ones, whose oldest age is computed now.
+    pub async fn shared_backlog(
+        &self,
+        every: Duration,
+        may_count: bool,
+    ) -> Result<BacklogFigures, StoreError> {
+        let db = self.connection();
+        let claimed = may_count
+            && db
+                .query_one_raw(stmt(
+                    "UPDATE outpost_backlog SET counted_at = now() \
+                     WHERE counted_at <= now() - make_interval(secs => $1) RETURNING true",
+                    [every.as_secs_f64().into()],
+                ))
+                .await
+                .map_err(StoreError::from_db)?
+                .is_some();
+        if claimed {
+            let by_status = count_by_status(db).await?;
+            let (oldest_at, oldest_pending_age_secs) = oldest_undelivered(db).await?;
+            let counts: serde_json::Map<String, serde_json::Value> = by_status
+                .iter()
+                .map(|c| (c.status.clone(), c.rows.into()))
+                .collect();
+            db.execute_raw(stmt(
+                "UPDATE outpost_backlog SET by_status = $1, oldest_at = $2, counted_at = now()",
+                [serde_json::Value::Object(counts).into(), oldest_at.into()],
+            ))
+            .await
+            .map_err(StoreError::from_db)?;
+            return Ok(BacklogFigures {
+                by_status,
+                oldest_pending_age_secs,
+                counted: true,
+            });
+        }
+        let row = db
+            .query_one_raw(stmt(
+                "SELECT by_status, extract(epoch FROM now() - oldest_at)::float8 \
+                 FROM outpost_backlog",
+                [],
+            ))
+            .await
+            .map_err(StoreError::from_db)?
+            .ok_or_else(|| StoreError::Corrupt("outpost_backlog has no row".to_owned()))?;
+        let counts: serde_json::Value = row.try_get_by_index(0).map_err(StoreError::from_db)?;
+        let mut by_status: Vec<StatusCount> = counts
+            .as_object()
+            .into_iter()
+            .flatten()
+            .filter_map(|(status, rows)| {
+                Some(StatusCount {
+                    status: status.clone(),
+                    rows: rows.as_i64()?,
+                })
+            })
+            .collect();
+        by_status.sort_by(|a, b| a.status.cmp(&b.status));
+        Ok(BacklogFigures {
+            by_status,
+            oldest_pending_age_secs: row.try_get_by_index(1).map_err(StoreError::from_db)?,
+            counted: false,
+        })
+    }
 }

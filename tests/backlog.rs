@@ -1,0 +1,79 @@
+//! The backlog figures behind the metrics are counted by one node per period for the whole
+//! cluster; the other nodes read that count.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::time::Duration;
+
+use outpost::produce::EventFact;
+use outpost::store::BacklogFigures;
+use sea_orm::ConnectionTrait;
+use serde_json::json;
+use support::{TestDb, commit_facts, scalar};
+
+fn rows(f: &BacklogFigures, status: &str) -> i64 {
+    f.by_status
+        .iter()
+        .find(|c| c.status == status)
+        .map_or(0, |c| c.rows)
+}
+
+async fn commit(db: &TestDb, n: usize) {
+    let facts = (0..n)
+        .map(|i| EventFact::new("order", format!("o{i}"), "t", json!({"i": i})))
+        .collect();
+    commit_facts(&db.store, facts).await;
+}
+
+#[tokio::test]
+async fn one_node_counts_per_period_and_the_others_read_its_figures() {
+    let db = TestDb::new().await;
+    commit(&db, 7).await;
+    let hour = Duration::from_secs(3600);
+
+    // The first node to look counts.
+    let a = db.store.shared_backlog(hour, true).await.unwrap();
+    assert!(a.counted);
+    assert_eq!(rows(&a, "pending"), 7);
+    assert!(a.oldest_pending_age_secs.is_some_and(|s| s >= 0.0));
+
+    // Within the period another node reads the same figures instead of scanning.
+    commit(&db, 5).await;
+    let b = db.store.shared_backlog(hour, true).await.unwrap();
+    assert!(!b.counted, "counted once per period");
+    assert_eq!(rows(&b, "pending"), 7, "the stored count");
+    assert!(b.oldest_pending_age_secs >= a.oldest_pending_age_secs);
+
+    // A node that has not worked never counts, even when the figures are stale.
+    let c = db
+        .store
+        .shared_backlog(Duration::ZERO, false)
+        .await
+        .unwrap();
+    assert!(!c.counted);
+    assert_eq!(rows(&c, "pending"), 7);
+
+    // Past the period, the next node to look counts again.
+    let d = db.store.shared_backlog(Duration::ZERO, true).await.unwrap();
+    assert!(d.counted);
+    assert_eq!(rows(&d, "pending"), 12);
+
+    // Nothing undelivered: no oldest age.
+    db.store
+        .connection()
+        .execute_unprepared(
+            "UPDATE outpost_event SET status = 'published', stream_id = '0-1', published_at = now()",
+        )
+        .await
+        .unwrap();
+    let e = db.store.shared_backlog(Duration::ZERO, true).await.unwrap();
+    assert_eq!((rows(&e, "pending"), rows(&e, "published")), (0, 12));
+    assert_eq!(e.oldest_pending_age_secs, None);
+    assert_eq!(
+        scalar(&db, "SELECT count(*) FROM outpost_backlog").await,
+        1,
+        "one row for the cluster"
+    );
+}
