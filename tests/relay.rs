@@ -577,3 +577,100 @@ async fn a_database_that_lost_history_moves_past_the_stale_fences_in_redis() {
     );
     node.shutdown().await;
 }
+
+/// The stream contract's field list, written out here on its own (not taken from the publisher),
+/// for an event of aggregate `shape:a`, seq `seq`, with the given optional fields.
+fn contract_fields(
+    event_id: &str,
+    seq: i64,
+    optional: &[(&str, &str)],
+    data: &str,
+) -> Vec<(String, String)> {
+    let mut f: Vec<(String, String)> = [
+        ("ce_specversion", "1.0"),
+        ("ce_id", event_id),
+        ("ce_type", "shape.tested"),
+        ("ce_source", "/outpost/shape"),
+        ("ce_subject", "a"),
+        ("ce_time", "2026-12-01T10:00:00.123456Z"),
+        ("ce_aggregatetype", "shape"),
+        ("ce_aggregateseq", &seq.to_string()),
+        ("ce_schemaversion", "2.1"),
+        ("content-type", "application/json"),
+    ]
+    .iter()
+    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+    .collect();
+    f.extend(
+        optional
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned())),
+    );
+    f.push(("data".to_owned(), data.to_owned()));
+    f
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn entries_carry_the_contract_fields_in_order_for_every_header_shape() {
+    let db = TestDb::new().await;
+    let redis = TestRedis::new();
+    let node = support::start_node(relay_config(&db, &redis, "shape-node")).await;
+    let at = chrono::DateTime::parse_from_rfc3339("2026-12-01T10:00:00.123456Z")
+        .unwrap()
+        .with_timezone(&chrono::Utc);
+    let tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+    // Each event's headers, and the optional fields its entry must carry, in order.
+    let shapes: Vec<(serde_json::Value, Vec<(&str, &str)>)> = vec![
+        (json!({}), vec![]),
+        (json!({"traceparent": tp}), vec![("traceparent", tp)]),
+        (json!({"tracestate": "k=v"}), vec![("tracestate", "k=v")]),
+        (
+            json!({"tenant": "t1"}),
+            vec![("headers", r#"{"tenant":"t1"}"#)],
+        ),
+        (
+            json!({"tenant": "t1", "tracestate": "k=v", "traceparent": tp}),
+            vec![
+                ("traceparent", tp),
+                ("tracestate", "k=v"),
+                ("headers", r#"{"tenant":"t1"}"#),
+            ],
+        ),
+    ];
+    let facts: Vec<EventFact> = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, (headers, _))| {
+            EventFact::new("shape", "a", "shape.tested", json!({ "n": i }))
+                .schema_version("2.1")
+                .occurred_at(at)
+                .headers_json(headers.clone())
+        })
+        .collect();
+    let ids = commit(&db, facts).await;
+    wait_delivered(&redis, shapes.len(), 30).await;
+
+    let mut conn = redis.conn().await;
+    let entries: Vec<(String, Vec<(String, String)>)> = redis::cmd("XRANGE")
+        .arg(format!("{}events:shape", redis.prefix))
+        .arg("-")
+        .arg("+")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(entries.len(), shapes.len());
+    for (i, ((_, fields), (_, optional))) in entries.iter().zip(&shapes).enumerate() {
+        let seq = i64::try_from(i).unwrap() + 1;
+        let data = &fields.last().unwrap().1;
+        assert_eq!(
+            serde_json::from_str::<serde_json::Value>(data).unwrap(),
+            json!({ "n": i })
+        );
+        assert_eq!(
+            fields,
+            &contract_fields(&ids[i], seq, optional, data),
+            "entry {i}"
+        );
+    }
+    node.shutdown().await;
+}

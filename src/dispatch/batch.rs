@@ -17,7 +17,7 @@ use super::route::{Route, Router};
 use super::streams::StreamBook;
 use crate::metrics as m;
 use crate::publish::{
-    ErrorClass, Message, PublishError, Publisher, StreamBatch, StreamOutcome, entry_fields,
+    Entry, ErrorClass, Message, PublishError, Publisher, StreamBatch, StreamOutcome,
 };
 use crate::store::{BatchResult, ClaimedEvent, FailedEvent, LeaseRef, Store, StoreError};
 
@@ -620,8 +620,8 @@ fn plan(
             payload: row.payload,
             headers: row.headers,
         };
-        let fields = match entry_fields(message) {
-            Ok(f) => f,
+        let entry = match Entry::new(message) {
+            Ok(e) => e,
             Err(e) => {
                 plan.result.failed.push(failure(settings, &origin, &e));
                 aggregates.insert(key, None);
@@ -640,7 +640,7 @@ fn plan(
             plan.origins.push(Vec::new());
             plan.batches.len() - 1
         });
-        plan.batches[idx].entries.push(fields);
+        plan.batches[idx].entries.push(entry);
         plan.origins[idx].push(origin);
     }
     plan

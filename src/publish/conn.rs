@@ -112,21 +112,21 @@ impl RedisConn {
     /// to each master still pipelines them on the wire), in no promised order: the cluster
     /// client retries a whole pipeline when one of its commands is redirected, which would run
     /// the others twice — for the publish script, append their entries twice.
-    pub async fn run_each(&self, cmds: &[Cmd]) -> Vec<RedisResult<Value>> {
+    pub async fn run_each(&self, cmds: Vec<Cmd>) -> Vec<RedisResult<Value>> {
         match self {
             Self::Single(c) => {
+                let n = cmds.len();
                 let mut pipe = redis::pipe();
                 pipe.ignore_errors();
                 for cmd in cmds {
-                    pipe.add_command(cmd.clone());
+                    pipe.add_command(cmd);
                 }
                 match pipe
                     .query_async::<Vec<RedisResult<Value>>>(&mut c.clone())
                     .await
                 {
-                    Ok(replies) if replies.len() == cmds.len() => replies,
-                    Ok(_) => cmds
-                        .iter()
+                    Ok(replies) if replies.len() == n => replies,
+                    Ok(_) => (0..n)
                         .map(|_| {
                             Err(RedisError::from((
                                 redis::ErrorKind::Client,
@@ -134,7 +134,7 @@ impl RedisConn {
                             )))
                         })
                         .collect(),
-                    Err(e) => cmds.iter().map(|_| Err(e.clone())).collect(),
+                    Err(e) => (0..n).map(|_| Err(e.clone())).collect(),
                 }
             }
             Self::Cluster(c) => {

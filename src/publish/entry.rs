@@ -1,5 +1,9 @@
 //! The stream entry format: CloudEvents 1.0 in binary mode, one entry field per attribute.
 //! `docs/streams.md` is the public description; keep the two in step.
+//!
+//! The field names and the constant values are written once, here: [`Entry::fields`] lists them
+//! for anyone writing or reading entries, and the publish script is generated from the same
+//! tables ([`FIXED`], [`OPTIONAL`]), so the relay sends Redis only the values that vary.
 
 use serde_json::{Map, Value};
 
@@ -62,36 +66,120 @@ pub mod field {
     pub const DATA: &str = "data";
 }
 
-/// The fields of the stream entry for `m`, consuming it (the payload is moved, not copied).
-pub fn entry_fields(m: Message) -> Result<Vec<(&'static str, String)>, PublishError> {
-    let mut headers: Map<String, Value> = if m.headers.is_empty() || m.headers == "{}" {
-        Map::new()
-    } else {
-        serde_json::from_str(&m.headers).map_err(|e| {
-            PublishError::event("ENCODING", format!("headers are not a JSON object: {e}"))
-        })?
-    };
-    let mut fields = Vec::with_capacity(14);
-    fields.push((field::SPECVERSION, "1.0".to_owned()));
-    fields.push((field::ID, m.event_id));
-    fields.push((field::TYPE, m.event_type));
-    fields.push((field::SOURCE, format!("/outpost/{}", m.aggregate_type)));
-    fields.push((field::SUBJECT, m.aggregate_id));
-    fields.push((field::TIME, m.time));
-    fields.push((field::AGGREGATE_TYPE, m.aggregate_type));
-    fields.push((field::AGGREGATE_SEQ, m.aggregate_seq.to_string()));
-    fields.push((field::SCHEMA_VERSION, m.schema_version));
-    fields.push((field::CONTENT_TYPE, "application/json".to_owned()));
-    for name in [field::TRACEPARENT, field::TRACESTATE] {
-        if let Some(Value::String(v)) = headers.remove(name) {
-            fields.push((name, v));
+/// The fields every entry has before the optional ones, in order: a constant value, or `None` for
+/// a value of the event's own ([`Entry`] holds those, in this order).
+pub(super) const FIXED: [(&str, Option<&str>); 10] = [
+    (field::SPECVERSION, Some("1.0")),
+    (field::ID, None),
+    (field::TYPE, None),
+    (field::SOURCE, None),
+    (field::SUBJECT, None),
+    (field::TIME, None),
+    (field::AGGREGATE_TYPE, None),
+    (field::AGGREGATE_SEQ, None),
+    (field::SCHEMA_VERSION, None),
+    (field::CONTENT_TYPE, Some("application/json")),
+];
+
+/// The fields an entry has only when the event carries them, in order, after [`FIXED`] and before
+/// [`field::DATA`], which always comes last.
+pub(super) const OPTIONAL: [&str; 3] = [field::TRACEPARENT, field::TRACESTATE, field::HEADERS];
+
+/// Number of values of an event's own among [`FIXED`].
+const VARYING: usize = 8;
+
+/// One stream entry: the values of an event that vary, in the order of [`FIXED`], then the
+/// optional fields, then the payload.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Entry {
+    varying: [String; VARYING],
+    optional: [Option<String>; 3],
+    data: String,
+}
+
+impl Entry {
+    /// The entry for `m`, consuming it (the payload is moved, not copied). Fails when the
+    /// headers are not a JSON object.
+    pub fn new(m: Message) -> Result<Self, PublishError> {
+        let mut headers: Map<String, Value> = if m.headers.is_empty() || m.headers == "{}" {
+            Map::new()
+        } else {
+            serde_json::from_str(&m.headers).map_err(|e| {
+                PublishError::event("ENCODING", format!("headers are not a JSON object: {e}"))
+            })?
+        };
+        let mut trace = |name| match headers.remove(name) {
+            Some(Value::String(v)) => Some(v),
+            _ => None,
+        };
+        let traceparent = trace(field::TRACEPARENT);
+        let tracestate = trace(field::TRACESTATE);
+        let rest = (!headers.is_empty()).then(|| Value::Object(headers).to_string());
+        Ok(Self {
+            varying: [
+                m.event_id,
+                m.event_type,
+                format!("/outpost/{}", m.aggregate_type),
+                m.aggregate_id,
+                m.time,
+                m.aggregate_type,
+                m.aggregate_seq.to_string(),
+                m.schema_version,
+            ],
+            optional: [traceparent, tracestate, rest],
+            data: m.payload,
+        })
+    }
+
+    /// Every field of the entry, names and values, in the order Redis stores them.
+    pub fn fields(&self) -> Vec<(&'static str, &str)> {
+        let mut varying = self.varying.iter();
+        let mut out: Vec<(&'static str, &str)> = FIXED
+            .iter()
+            .filter_map(|(name, constant)| {
+                let value = match constant {
+                    Some(c) => Some(*c),
+                    None => varying.next().map(String::as_str),
+                };
+                value.map(|v| (*name, v))
+            })
+            .collect();
+        for (name, value) in OPTIONAL.iter().zip(&self.optional) {
+            if let Some(v) = value {
+                out.push((name, v.as_str()));
+            }
         }
+        out.push((field::DATA, self.data.as_str()));
+        out
     }
-    if !headers.is_empty() {
-        fields.push((field::HEADERS, Value::Object(headers).to_string()));
+
+    /// Which optional fields are present: bit `i` for `OPTIONAL[i]`.
+    pub(super) fn shape(&self) -> u8 {
+        self.optional
+            .iter()
+            .enumerate()
+            .filter(|(_, v)| v.is_some())
+            .fold(0, |bits, (i, _)| bits | (1 << i))
     }
-    fields.push((field::DATA, m.payload));
-    Ok(fields)
+
+    /// The values the event brings, in field order: what the publish script is sent.
+    pub(super) fn values(&self) -> impl Iterator<Item = &str> {
+        self.varying
+            .iter()
+            .map(String::as_str)
+            .chain(self.optional.iter().flatten().map(String::as_str))
+            .chain(std::iter::once(self.data.as_str()))
+    }
+}
+
+/// The fields of the stream entry for `m`, owned: for tools and tests that write entries in
+/// the relay's format with their own `XADD`.
+pub fn entry_fields(m: Message) -> Result<Vec<(&'static str, String)>, PublishError> {
+    Ok(Entry::new(m)?
+        .fields()
+        .into_iter()
+        .map(|(k, v)| (k, v.to_owned()))
+        .collect())
 }
 
 #[cfg(test)]
@@ -124,6 +212,20 @@ mod tests {
         assert_eq!(get("tracestate"), None);
         assert_eq!(get("headers"), Some(r#"{"x-correlation":"c1"}"#));
         assert_eq!(get("data"), Some("{\"a\":1}"));
+    }
+
+    #[test]
+    fn the_script_is_sent_the_varying_values_in_field_order() {
+        let e = Entry::new(msg(r#"{"tracestate":"k=v"}"#)).unwrap_or_else(|_| unreachable!());
+        assert_eq!(e.shape(), 0b010);
+        let varying: Vec<&str> = e
+            .fields()
+            .into_iter()
+            .filter(|(name, _)| !FIXED.iter().any(|(n, c)| n == name && c.is_some()))
+            .map(|(_, v)| v)
+            .collect();
+        assert_eq!(e.values().collect::<Vec<_>>(), varying);
+        assert_eq!(Entry::new(msg("{}")).map(|e| e.shape()).ok(), Some(0));
     }
 
     #[test]

@@ -17,7 +17,7 @@ mod trim;
 use std::time::Duration;
 
 pub use conn::{RedisConn, Topology, companion_key, hash_tag, parse_seed};
-pub use entry::{Message, entry_fields, field};
+pub use entry::{Entry, Message, entry_fields, field};
 pub use error::{ErrorClass, PublishError, classify_code};
 pub use recover::StreamPosition;
 pub use server::{PersistenceConfig, ServerFacts};
@@ -45,8 +45,8 @@ pub struct StreamBatch {
     /// The stream was written before (by any node, as far as this node knows): its fence hash
     /// must exist, or Redis lost its data and nothing is appended ([`StreamOutcome::Lost`]).
     pub known: bool,
-    /// The entries' fields, one `Vec` of `(name, value)` per entry.
-    pub entries: Vec<Vec<(&'static str, String)>>,
+    /// The entries, in order.
+    pub entries: Vec<Entry>,
 }
 
 /// What became of one [`StreamBatch`].
@@ -172,21 +172,11 @@ impl Publisher {
             return Ok(Vec::new());
         }
         let mut out: Vec<Option<StreamOutcome>> = vec![None; batches.len()];
-        let mut todo: Vec<usize> = Vec::with_capacity(batches.len());
-        let mut calls: Vec<redis::Cmd> = Vec::with_capacity(batches.len());
+        // (index in `batches`, fence key) of the calls to make.
+        let mut todo: Vec<(usize, String)> = Vec::with_capacity(batches.len());
         for (i, b) in batches.iter().enumerate() {
             match self.fence_key(&b.stream) {
-                Ok(fence) => {
-                    todo.push(i);
-                    calls.push(script::call(
-                        &fence,
-                        &b.stream,
-                        b.partition,
-                        b.epoch,
-                        b.known,
-                        &b.entries,
-                    ));
-                }
+                Ok(fence) => todo.push((i, fence)),
                 Err(error) => {
                     out[i] = Some(StreamOutcome::Failed {
                         ids: Vec::new(),
@@ -198,16 +188,23 @@ impl Publisher {
         // A node that never saw the script (a restarted Redis, a cluster node that just took
         // over a slot) answers NOSCRIPT without running anything: load it and send those again.
         let mut loaded = false;
-        while !calls.is_empty() {
-            let replies = self.conn.run_each(&calls).await;
+        while !todo.is_empty() {
+            let calls = todo
+                .iter()
+                .map(|(i, fence)| {
+                    let b = &batches[*i];
+                    script::call(fence, &b.stream, b.partition, b.epoch, b.known, &b.entries)
+                })
+                .collect();
+            let replies = self.conn.run_each(calls).await;
             let mut again = Vec::new();
-            for ((i, call), reply) in todo.iter().zip(calls.iter()).zip(replies) {
-                out[*i] = Some(match reply {
+            for ((i, fence), reply) in todo.into_iter().zip(replies) {
+                out[i] = Some(match reply {
                     Ok(v) => script::parse_reply(v)?,
                     Err(e) => {
                         let error = PublishError::from_redis(e);
                         if error.is_noscript() && !loaded {
-                            again.push((*i, call.clone()));
+                            again.push((i, fence));
                             continue;
                         }
                         StreamOutcome::Failed {
@@ -221,7 +218,7 @@ impl Publisher {
                 script::load(&mut self.conn.clone()).await?;
                 loaded = true;
             }
-            (todo, calls) = again.into_iter().unzip();
+            todo = again;
         }
         // Nothing went through anywhere (Redis down, every node refusing): one error for all.
         let refused = |o: &Option<StreamOutcome>| {

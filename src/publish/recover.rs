@@ -45,7 +45,7 @@ impl Publisher {
             calls.push(exists);
             calls.push(info);
         }
-        let replies = self.conn.run_each(&calls).await;
+        let replies = self.conn.run_each(calls).await;
         let mut out = Vec::with_capacity(streams.len());
         for pair in replies.chunks(2) {
             let fence = match pair.first() {

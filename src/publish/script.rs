@@ -1,12 +1,18 @@
 //! The fenced append script.
 
+use std::sync::LazyLock;
+
 use redis::{Cmd, Value};
 
+use super::entry::{Entry, FIXED, OPTIONAL, field};
 use super::{PublishError, StreamOutcome};
 
 /// KEYS[1]: fence hash, KEYS[2]: stream. ARGV[1]: partition, ARGV[2]: epoch, ARGV[3]: `1` when
 /// the stream is known to have been written before (its fence hash must exist), then per entry:
-/// the number of arguments that follow for it, then `field value ...`.
+/// its shape (which optional fields it has, [`Entry`]'s bits) and the values it brings, in field
+/// order. Field names and constant values are literals of the script (generated from
+/// [`FIXED`] and [`OPTIONAL`]): Redis turns every argument into a Lua string and back, and
+/// sending only the values halves that work.
 ///
 /// A negative epoch skips the fence entirely (only the `fence-off` fault point sends one, to show in
 /// tests what the fence prevents).
@@ -15,7 +21,7 @@ use super::{PublishError, StreamOutcome};
 /// appended until the loss is handled), `{'fenced', current}` when a newer epoch is recorded;
 /// otherwise `{'ok', id...}`, or `{'error', message, id...}` when an `XADD` was refused after the
 /// listed ids were appended.
-const LUA: &str = r"
+const LUA_FENCE: &str = r"
 local fence = redis.call('HGET', KEYS[1], ARGV[1])
 if not fence and ARGV[3] == '1' and redis.call('EXISTS', KEYS[1]) == 0 then
   return {'lost'}
@@ -28,25 +34,73 @@ end
 if current < epoch then
   redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 end
+local stream = KEYS[2]
 local out = {'ok'}
 local i = 4
-while i <= #ARGV do
-  local n = tonumber(ARGV[i])
-  local r = redis.pcall('XADD', KEYS[2], '*', unpack(ARGV, i + 1, i + n))
+local last = #ARGV
+while i <= last do
+  local shape = ARGV[i]
+  local r
+";
+
+const LUA_END: &str = r"
   if type(r) == 'table' and r.err then
     out[1] = r.err
     table.insert(out, 1, 'error')
     return out
   end
   out[#out + 1] = r
-  i = i + n + 1
 end
 return out
 ";
 
-fn script() -> redis::Script {
-    redis::Script::new(LUA)
+/// The script's text: [`LUA_FENCE`], the `XADD` of one entry with the field names written in,
+/// [`LUA_END`].
+fn lua() -> String {
+    // `XADD stream * name value ...` over FIXED, taking the varying values from ARGV[i + 1...].
+    let mut fixed = String::new();
+    let mut arg = 0;
+    for (name, constant) in FIXED {
+        let value = match constant {
+            Some(c) => format!("'{c}'"),
+            None => {
+                arg += 1;
+                format!("ARGV[i + {arg}]")
+            }
+        };
+        fixed.push_str(&format!(", '{name}', {value}"));
+    }
+    let data = field::DATA;
+    let after = arg + 1;
+    let mut lines = vec![
+        "  if shape == '0' then".to_owned(),
+        format!("    r = redis.pcall('XADD', stream, '*'{fixed}, '{data}', ARGV[i + {after}])"),
+        format!("    i = i + {}", after + 1),
+        "  else".to_owned(),
+        "    shape = tonumber(shape)".to_owned(),
+        format!("    local a = {{'XADD', stream, '*'{fixed}}}"),
+        format!("    local j = i + {after}"),
+    ];
+    for (bit, name) in OPTIONAL.iter().enumerate() {
+        let (low, high) = (1u32 << bit, 2u32 << bit);
+        lines.push(format!(
+            "    if shape % {high} >= {low} then a[#a + 1] = '{name}'; a[#a + 1] = ARGV[j]; j = j + 1 end"
+        ));
+    }
+    lines.extend([
+        format!("    a[#a + 1] = '{data}'; a[#a + 1] = ARGV[j]"),
+        "    r = redis.pcall(unpack(a))".to_owned(),
+        "    i = j + 1".to_owned(),
+        "  end".to_owned(),
+    ]);
+    format!("{LUA_FENCE}{}{LUA_END}", lines.join("\n"))
 }
+
+static SCRIPT: LazyLock<(String, redis::Script)> = LazyLock::new(|| {
+    let text = lua();
+    let script = redis::Script::new(&text);
+    (text, script)
+});
 
 /// `EVALSHA` of the script for one stream.
 pub(super) fn call(
@@ -55,20 +109,20 @@ pub(super) fn call(
     partition: i32,
     epoch: i64,
     known: bool,
-    entries: &[Vec<(&'static str, String)>],
+    entries: &[Entry],
 ) -> Cmd {
     let mut cmd = redis::cmd("EVALSHA");
-    cmd.arg(script().get_hash())
+    cmd.arg(SCRIPT.1.get_hash())
         .arg(2)
         .arg(fence)
         .arg(stream)
         .arg(partition)
         .arg(epoch)
         .arg(if known { "1" } else { "0" });
-    for fields in entries {
-        cmd.arg(fields.len() * 2);
-        for (name, value) in fields {
-            cmd.arg(*name).arg(value.as_str());
+    for entry in entries {
+        cmd.arg(entry.shape());
+        for value in entry.values() {
+            cmd.arg(value);
         }
     }
     cmd
@@ -78,7 +132,7 @@ pub(super) fn call(
 pub(super) async fn load<C: redis::aio::ConnectionLike>(c: &mut C) -> Result<(), PublishError> {
     redis::cmd("SCRIPT")
         .arg("LOAD")
-        .arg(LUA)
+        .arg(SCRIPT.0.as_str())
         .query_async::<String>(c)
         .await
         .map_err(PublishError::from_redis)?;
