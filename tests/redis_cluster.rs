@@ -43,10 +43,6 @@ async fn cluster_node(
     .await
 }
 
-async fn xlen(conn: &mut ClusterConnection, key: &str) -> u64 {
-    redis::cmd("XLEN").arg(key).query_async(conn).await.unwrap()
-}
-
 /// Waits until every committed event is in the streams; checks none is missing, none is extra,
 /// first deliveries are in order per aggregate, and no row needed a second attempt.
 async fn check_delivered(db: &TestDb, cluster: &RedisCluster, prefix: &str, ids: &[String]) {
@@ -196,12 +192,35 @@ impl BusyLoad {
         load
     }
 
-    /// The busy stream's length.
+    /// Entries ever appended to the busy stream (`XINFO STREAM` `entries-added`): unlike its
+    /// length, it does not shrink when the relay trims what the consumers acknowledged.
     async fn len(&self) -> u64 {
-        xlen(&mut self.conn.clone(), &self.busy).await
+        let info: redis::Value = redis::cmd("XINFO")
+            .arg("STREAM")
+            .arg(&self.busy)
+            .query_async(&mut self.conn.clone())
+            .await
+            .unwrap();
+        let pairs: Vec<(String, redis::Value)> = match info {
+            redis::Value::Map(m) => m
+                .into_iter()
+                .map(|(k, v)| (redis::from_redis_value(k).unwrap(), v))
+                .collect(),
+            other => {
+                let flat: Vec<redis::Value> = redis::from_redis_value(other).unwrap();
+                flat.chunks(2)
+                    .map(|kv| (redis::from_redis_value_ref(&kv[0]).unwrap(), kv[1].clone()))
+                    .collect()
+            }
+        };
+        let added = pairs
+            .into_iter()
+            .find(|(k, _)| k == "entries-added")
+            .expect("XINFO STREAM reports entries-added (Redis 7)");
+        redis::from_redis_value(added.1).unwrap()
     }
 
-    /// Waits until the busy stream holds `n` entries.
+    /// Waits until `n` entries have been appended to the busy stream.
     async fn wait_for(&self, n: u64, what: &str) {
         wait_until(60, what, || async { self.len().await >= n }).await;
     }

@@ -268,7 +268,10 @@ async fn trimming_never_drops_unacknowledged_entries_and_shrinks_after_acks() {
         &support::redis_url(),
         &redis.prefix,
         "trim-node",
-        &[("retention.trim_interval_ms", "100")],
+        &[
+            ("retention.trim_streams", "true"),
+            ("retention.trim_interval_ms", "100"),
+        ],
     );
     let node = support::start_node(config).await;
     commit(&db, facts(100, "order.placed")).await;

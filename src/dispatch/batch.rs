@@ -541,6 +541,11 @@ fn failure(settings: &RelaySettings, origin: &Origin, error: &PublishError) -> F
     }
 }
 
+/// `(aggregate type, event type, destination)`: what routing depends on.
+type RouteKey = (String, String, Option<String>);
+/// The index of a route's stream batch, `None` for no destination, or why it cannot be routed.
+type RouteResult = Result<Option<usize>, String>;
+
 /// Routes and encodes claimed rows into per-stream batches, keeping each aggregate's order:
 /// an aggregate whose rows in this batch would go to two streams is cut before the second one
 /// (the rest waits for the next batch), and an aggregate with a failed row stops there.
@@ -553,9 +558,11 @@ fn plan(
     lease: &LeaseRef,
 ) -> Plan {
     let mut plan = Plan::default();
-    let mut stream_index: HashMap<String, usize> = HashMap::new();
-    // Aggregate → the stream its rows in this batch go to, or None once it is cut or failed.
-    let mut aggregates: HashMap<(String, String), Option<String>> = HashMap::new();
+    // Routes of this batch: most rows share an aggregate type, event type and destination, so
+    // each distinct combination is routed once.
+    let mut routes: Vec<(RouteKey, RouteResult)> = Vec::new();
+    // Aggregate → the batch its rows go to, or None once it is cut or failed.
+    let mut aggregates: HashMap<(String, String), Option<usize>> = HashMap::new();
     for row in rows {
         let key = (row.aggregate_type.clone(), row.aggregate_id.clone());
         if matches!(aggregates.get(&key), Some(None)) {
@@ -568,27 +575,65 @@ fn plan(
             attempts: row.attempts,
             recorded_at: row.recorded_at,
         };
-        let route = router.route(
-            &row.aggregate_type,
-            &row.event_type,
-            lease.partition,
-            row.destination.as_deref(),
-        );
-        let stream = match route {
-            Ok(Route::NoDestination) => {
+        let known_route = routes.iter().find(|((t, e, d), _)| {
+            *t == row.aggregate_type && *e == row.event_type && *d == row.destination
+        });
+        let route = match known_route {
+            Some((_, r)) => r.clone(),
+            None => {
+                let r = match router.route(
+                    &row.aggregate_type,
+                    &row.event_type,
+                    lease.partition,
+                    row.destination.as_deref(),
+                ) {
+                    Ok(Route::NoDestination) => Ok(None),
+                    Ok(Route::Stream(name)) => {
+                        // Several routes may name one stream: they share its batch, so an
+                        // aggregate's entries in a stream stay in one call, in order.
+                        let stream = publisher.stream_key(&name);
+                        match plan.batches.iter().position(|b| b.stream == stream) {
+                            Some(idx) => Ok(Some(idx)),
+                            None => {
+                                plan.batches.push(StreamBatch {
+                                    known: book.is_known(&stream),
+                                    stream,
+                                    partition: lease.partition,
+                                    epoch: fence_epoch(lease.epoch),
+                                    entries: Vec::new(),
+                                });
+                                plan.origins.push(Vec::new());
+                                Ok(Some(plan.batches.len() - 1))
+                            }
+                        }
+                    }
+                    Err(e) => Err(e.to_string()),
+                };
+                let combination = (
+                    row.aggregate_type.clone(),
+                    row.event_type.clone(),
+                    row.destination.clone(),
+                );
+                routes.push((combination, r.clone()));
+                r
+            }
+        };
+        let idx = match route {
+            Ok(None) => {
                 plan.result.no_destination.push(row.id);
                 continue;
             }
-            Ok(Route::Stream(name)) => publisher.stream_key(&name),
+            Ok(Some(idx)) => idx,
             Err(e) => {
-                let err = PublishError::event("UNROUTABLE", e.to_string());
+                let err = PublishError::event("UNROUTABLE", e);
                 plan.result.failed.push(failure(settings, &origin, &err));
                 aggregates.insert(key, None);
                 continue;
             }
         };
         match aggregates.get(&key) {
-            Some(Some(s)) if *s != stream => {
+            // Two streams for one aggregate in one batch: the rest waits for the next batch.
+            Some(Some(other)) if *other != idx => {
                 aggregates.insert(key, None);
                 continue;
             }
@@ -628,21 +673,19 @@ fn plan(
                 continue;
             }
         };
-        aggregates.insert(key, Some(stream.clone()));
-        let idx = *stream_index.entry(stream.clone()).or_insert_with(|| {
-            plan.batches.push(StreamBatch {
-                known: book.is_known(&stream),
-                stream,
-                partition: lease.partition,
-                epoch: fence_epoch(lease.epoch),
-                entries: Vec::new(),
-            });
-            plan.origins.push(Vec::new());
-            plan.batches.len() - 1
-        });
+        aggregates.insert(key, Some(idx));
         plan.batches[idx].entries.push(entry);
         plan.origins[idx].push(origin);
     }
+    // A route whose rows were all cut or failed leaves an empty batch: nothing to send.
+    let (batches, origins): (Vec<_>, Vec<_>) = plan
+        .batches
+        .into_iter()
+        .zip(plan.origins)
+        .filter(|(b, _)| !b.entries.is_empty())
+        .unzip();
+    plan.batches = batches;
+    plan.origins = origins;
     plan
 }
 

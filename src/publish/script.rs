@@ -111,8 +111,17 @@ pub(super) fn call(
     known: bool,
     entries: &[Entry],
 ) -> Cmd {
-    let mut cmd = redis::cmd("EVALSHA");
-    cmd.arg(SCRIPT.1.get_hash())
+    // Sized up front: a call carries a whole batch (hundreds of kilobytes when draining), and
+    // growing the buffer would copy it several times over.
+    let (args, bytes) = entries
+        .iter()
+        .fold((8, 128 + stream.len() * 2), |(a, b), e| {
+            e.values()
+                .fold((a + 1, b + 1), |(a, b), v| (a + 1, b + v.len()))
+        });
+    let mut cmd = Cmd::with_capacity(args, bytes);
+    cmd.arg("EVALSHA")
+        .arg(SCRIPT.1.get_hash())
         .arg(2)
         .arg(fence)
         .arg(stream)
