@@ -104,9 +104,14 @@ pub struct RelayBench {
     /// Duration of each steady run: rate × seconds events are written.
     #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..))]
     steady_secs: u64,
-    /// Concurrent producers in the steady part (one event per transaction).
+    /// Concurrent producers in the steady part.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
     steady_writers: u32,
+    /// Events per producer transaction in the steady part (the offered rate stays in events per
+    /// second): 1 measures the most commits; more measures higher event rates than the
+    /// producers can commit one by one.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    steady_tx_size: u32,
     /// Length of the idle window.
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
     idle_secs: u64,
@@ -488,8 +493,8 @@ impl Bench<'_> {
         let args = self.args;
         println!();
         println!(
-            "== steady state: {} producers, 1 event per transaction, {} s per rate",
-            args.steady_writers, args.steady_secs
+            "== steady state: {} producers, {} event(s) per transaction, {} s per rate",
+            args.steady_writers, args.steady_tx_size, args.steady_secs
         );
         println!(
             "   commit->stream: from the producer's commit returning to a reader blocked on the \
@@ -537,7 +542,7 @@ impl Bench<'_> {
                     aggregate_type: "bench".to_owned(),
                     event_type: "bench.tick".to_owned(),
                     payload_bytes: args.payload_bytes,
-                    tx_size: 1,
+                    tx_size: args.steady_tx_size,
                     writers: args.steady_writers,
                     target: WriteTarget::Outbox,
                 };
