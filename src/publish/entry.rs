@@ -86,7 +86,17 @@ pub(super) const FIXED: [(&str, Option<&str>); 10] = [
 pub(super) const OPTIONAL: [&str; 3] = [field::TRACEPARENT, field::TRACESTATE, field::HEADERS];
 
 /// Number of values of an event's own among [`FIXED`].
-const VARYING: usize = 8;
+const VARYING: usize = {
+    let mut n = 0;
+    let mut i = 0;
+    while i < FIXED.len() {
+        if FIXED[i].1.is_none() {
+            n += 1;
+        }
+        i += 1;
+    }
+    n
+};
 
 /// One stream entry: the values of an event that vary, in the order of [`FIXED`], then the
 /// optional fields, then the payload.

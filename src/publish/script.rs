@@ -186,3 +186,22 @@ pub(super) fn parse_reply(v: Value) -> Result<StreamOutcome, PublishError> {
         _ => Err(bad()),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The names and constants are pasted into the script between single quotes.
+    #[test]
+    fn names_and_constants_are_safe_lua_literals() {
+        let plain = |s: &str| {
+            s.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"-_./".contains(&b))
+        };
+        for (name, constant) in FIXED {
+            assert!(plain(name) && constant.is_none_or(plain), "{name}");
+        }
+        assert!(OPTIONAL.iter().all(|n| plain(n)) && plain(field::DATA));
+        assert!(lua().contains("'content-type', 'application/json', 'data', ARGV[i + 9]"));
+    }
+}
