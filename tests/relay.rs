@@ -358,8 +358,8 @@ async fn with_a_long_poll_interval_the_nudge_delivers() {
     assert_eq!(config.node.heartbeat_ms, 20_000, "later overrides win");
     let node = support::start_node(config).await;
     wait_for_idle_node(&db).await;
-    // The next scheduled poll (the heartbeat tick) is twenty seconds away at the least and the
-    // busy back-off has reached its one-minute ceiling: only the nudge can deliver in time.
+    // The node is idle, so it no longer polls on its own, and its next scheduled poll (the
+    // heartbeat tick) is twenty seconds away at the least: only the nudge can deliver in time.
     let id = commit(&db, vec![EventFact::new("kind0", "a", "t", json!({}))]).await;
     let d = wait_delivered(&redis, 1, 10).await;
     assert!(d.copies.contains_key(&id[0]));

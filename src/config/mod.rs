@@ -305,7 +305,9 @@ pub struct RelayConfig {
     pub max_in_flight: u32,
     /// Publishing workers; 0 means the number of cores. 0..=64.
     pub workers: u32,
-    /// Scheduled poll that catches missed nudges, in milliseconds, 10..=60000.
+    /// Longest pause between two polls of a busy node, in milliseconds, 10..=60000 (the back-off
+    /// stops earlier, at 8 × `busy_poll_ms`, when that is lower). An idle node's scheduled poll is
+    /// its heartbeat.
     pub poll_interval_ms: u64,
     /// Poll interval while the node is busy, in milliseconds, 1..=1000.
     pub busy_poll_ms: u64,
