@@ -19,7 +19,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use outpost::produce::{EventFact, Producer};
 use sea_orm::TransactionTrait;
 use serde_json::json;
-use support::{Deliveries, TestDb, TestRedis, relay_config_with, scalar, wait_until};
+use support::{Deliveries, TestDb, TestRedis, scalar, wait_until};
 
 /// Fault points are process-wide: one scenario at a time in this process.
 static FAULTS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -94,14 +94,8 @@ async fn zombie(fence: bool) -> Outcome {
     let _one_at_a_time = FAULTS.lock().await;
     let (db, redis) = (TestDb::with_pool(8).await, TestRedis::new());
     let extra = [("relay.workers", "1")];
-    let zombie = support::start_node(relay_config_with(
-        &db,
-        &support::redis_url(),
-        &redis.prefix,
-        "zombie",
-        &extra,
-    ))
-    .await;
+    let zombie =
+        support::start_node(support::relay_config_for(&db, &redis, "zombie", &extra)).await;
     wait_until(30, "the zombie-to-be to own every partition", || async {
         zombie.owned_partitions().await.len() == 64
     })

@@ -13,8 +13,8 @@ use rand::Rng;
 use sea_orm::{ConnectionTrait, DbBackend, Statement, TransactionTrait};
 use serde_json::json;
 use support::{
-    Deliveries, TestDb, TestRedis, assert_all_published, relay_config, relay_config_with, scalar,
-    wait_for_idle_node, wait_until,
+    Deliveries, TestDb, TestRedis, assert_all_published, relay_config, scalar, wait_for_idle_node,
+    wait_until,
 };
 
 async fn commit(db: &TestDb, facts: Vec<EventFact>) -> Vec<String> {
@@ -343,10 +343,9 @@ async fn a_missed_nudge_waits_for_the_scheduled_poll() {
 async fn with_a_long_poll_interval_the_nudge_delivers() {
     let db = TestDb::new().await;
     let redis = TestRedis::new();
-    let config = relay_config_with(
+    let config = support::relay_config_for(
         &db,
-        &support::redis_url(),
-        &redis.prefix,
+        &redis,
         "nudge-node",
         &[
             ("relay.poll_interval_ms", "60000"),
@@ -383,10 +382,9 @@ async fn graceful_shutdown_mid_batch_loses_and_duplicates_nothing() {
     let ids = commit(&db, facts).await;
     // A slow rate keeps batches in flight, and leaves most events unpublished when the shutdown
     // comes (3,000 events take six seconds), however busy the machine is.
-    let config = relay_config_with(
+    let config = support::relay_config_for(
         &db,
-        &support::redis_url(),
-        &redis.prefix,
+        &redis,
         "graceful-node",
         &[
             ("rate_limit.global_per_sec", "500"),
@@ -682,10 +680,9 @@ async fn routes_sharing_a_stream_share_its_order_and_a_second_stream_waits_its_t
     let redis = TestRedis::new();
     // `Shipped` is routed by an override to the default stream's name, `Audit` to a stream of
     // its own; the other types follow the default template.
-    let config = relay_config_with(
+    let config = support::relay_config_for(
         &db,
-        &support::redis_url(),
-        &redis.prefix,
+        &redis,
         "routes-node",
         &[
             ("routing.overrides.Shipped", "events:{aggregate_type}"),

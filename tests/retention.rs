@@ -15,7 +15,7 @@ use outpost::publish::{Publisher, RedisSettings, TrimRule};
 use outpost::store::{Expiry, JANITOR_LOCK};
 use sea_orm::{ConnectionTrait, DbBackend, Statement, TransactionTrait};
 use serde_json::json;
-use support::{TestDb, TestRedis, relay_config_with, scalar, wait_until};
+use support::{TestDb, TestRedis, scalar, wait_until};
 
 async fn commit(db: &TestDb, facts: Vec<EventFact>) {
     let txn = db.store.connection().begin().await.unwrap();
@@ -150,10 +150,9 @@ async fn no_destination_rows_reach_their_state_then_age_out() {
     let db = TestDb::new().await;
     let redis = TestRedis::new();
     let routing = [("routing.no_destination", "audit.noted")];
-    let config = relay_config_with(
+    let config = support::relay_config_for(
         &db,
-        &support::redis_url(),
-        &redis.prefix,
+        &redis,
         "nd-node",
         &[routing[0], ("retention.enabled", "false")],
     );
@@ -178,10 +177,9 @@ async fn no_destination_rows_reach_their_state_then_age_out() {
     node.shutdown().await;
 
     // The janitor of the next node ages them out after a (short) period; published rows stay.
-    let config = relay_config_with(
+    let config = support::relay_config_for(
         &db,
-        &support::redis_url(),
-        &redis.prefix,
+        &redis,
         "nd-node",
         &[
             routing[0],
@@ -263,10 +261,9 @@ async fn trimming_never_drops_unacknowledged_entries_and_shrinks_after_acks() {
     let redis = TestRedis::new();
     let mut conn = redis.conn().await;
     let stream = format!("{}events:order", redis.prefix);
-    let config = relay_config_with(
+    let config = support::relay_config_for(
         &db,
-        &support::redis_url(),
-        &redis.prefix,
+        &redis,
         "trim-node",
         &[
             ("retention.trim_streams", "true"),

@@ -213,7 +213,17 @@ where
 /// A relay configuration for `db` and `redis` with short timings suited to tests: heartbeat
 /// 200 ms, lease 2 s, batches of 100, max 3 attempts with 20 ms backoff, admin on a free port.
 pub fn relay_config(db: &TestDb, redis: &TestRedis, node_id: &str) -> outpost::config::Config {
-    relay_config_with(db, &redis_url(), &redis.prefix, node_id, &[])
+    relay_config_for(db, redis, node_id, &[])
+}
+
+/// [`relay_config`] with extra `key=value` overrides.
+pub fn relay_config_for(
+    db: &TestDb,
+    redis: &TestRedis,
+    node_id: &str,
+    extra: &[(&str, &str)],
+) -> outpost::config::Config {
+    relay_config_with(db, &redis_url(), &redis.prefix, node_id, extra)
 }
 
 /// The test relay settings as `(key, value)` overrides, `extra` last (so it wins).
