@@ -34,8 +34,9 @@ pub struct WakePolicy {
 }
 
 /// The busy back-off stops growing at this multiple of `busy_poll` (16 ms with the default
-/// 2 ms). Measured at 2,000 events/s in transactions of 10 (`docs/benchmarks.md`): without it the
-/// pause reached 64–128 ms in gaps of the flow and the slowest events waited that long.
+/// 2 ms). Without it the pause could double up to `poll_interval` (1 s by default) in the gaps
+/// of a sparse flow; at 2,000 events/s in transactions of 10 (`docs/benchmarks.md`) p99 was
+/// 12–59 ms and the slowest event 33–137 ms, against 10 and 20 ms with it.
 pub const BUSY_CEILING: u32 = 8;
 
 /// What the caller must do after an observation.
