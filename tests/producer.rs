@@ -538,39 +538,73 @@ async fn duplicate_event_id_is_refused_by_the_database() {
 #[tokio::test]
 async fn the_schema_refuses_bad_rows_from_plain_sql() {
     let db = TestDb::new().await;
+    // (what, statement, what the error must name)
     let cases = [
         (
             "missing aggregate_id",
             "INSERT INTO outpost_event (aggregate_type, event_type, payload) VALUES ('o', 't', '{}')",
+            r#"column "aggregate_id" of relation "outpost_event" violates not-null"#,
         ),
         (
             "blank event_type",
             "INSERT INTO outpost_event (aggregate_type, aggregate_id, event_type, payload) VALUES ('o', '1', '  ', '{}')",
+            "outpost_event_event_type_check",
         ),
         (
             "bad schema_version",
             "INSERT INTO outpost_event (aggregate_type, aggregate_id, event_type, payload, schema_version) VALUES ('o', '1', 't', '{}', 'v1')",
+            r#"outpost_event_schema_version_check": schema_version "v1" is not MAJOR[.MINOR[.PATCH]]"#,
         ),
         (
             "headers not an object",
             "INSERT INTO outpost_event (aggregate_type, aggregate_id, event_type, payload, headers) VALUES ('o', '1', 't', '{}', '[1]')",
+            "outpost_event_headers_check",
         ),
         (
             "header value not a string",
             "INSERT INTO outpost_event (aggregate_type, aggregate_id, event_type, payload, headers) VALUES ('o', '1', 't', '{}', '{\"a\": 1}')",
+            "outpost_event_headers_check",
         ),
         (
             "control character in type",
             "INSERT INTO outpost_event (aggregate_type, aggregate_id, event_type, payload) VALUES (E'o\\n', '1', 't', '{}')",
+            r#"outpost_event_aggregate_type_check": aggregate_type "o\n""#,
         ),
         (
             "payload over 1 MiB",
             "INSERT INTO outpost_event (aggregate_type, aggregate_id, event_type, payload) VALUES ('o', '1', 't', jsonb_build_object('x', repeat(md5(random()::text), 40000)))",
+            "outpost_event_payload_size_check",
+        ),
+        (
+            "empty destination",
+            "INSERT INTO outpost_event (aggregate_type, aggregate_id, event_type, payload, destination) VALUES ('o', '1', 't', '{}', '')",
+            "outpost_event_destination_check",
+        ),
+        (
+            "missing payload",
+            "INSERT INTO outpost_event (aggregate_type, aggregate_id, event_type, payload) VALUES ('o', '1', 't', NULL)",
+            r#"column "payload" of relation "outpost_event" violates not-null"#,
         ),
     ];
-    for (what, sql) in cases {
-        let err = db.store.connection().execute_unprepared(sql).await;
-        assert!(err.is_err(), "{what} was accepted");
+    for (what, sql, named) in cases {
+        let err = match db.store.connection().execute_unprepared(sql).await {
+            Ok(_) => panic!("{what} was accepted"),
+            Err(e) => StoreError::from_db(e),
+        };
+        // Read by its SQLSTATE as a refused row (never a transient failure to retry), naming
+        // the rule: the constraint for CHECK rules, the column for NOT NULL ones.
+        match &err {
+            StoreError::Rejected { constraint, detail } => {
+                assert!(detail.contains(named), "{what}: {detail}");
+                if named.starts_with("outpost_event_") {
+                    assert!(
+                        !constraint.is_empty() && named.starts_with(constraint.as_str()),
+                        "{what}: {constraint}"
+                    );
+                }
+            }
+            other => panic!("{what}: not a refused row: {other}"),
+        }
     }
     assert_eq!(scalar(&db, "SELECT count(*) FROM outpost_event").await, 0);
     // Refused rows leave no sequence hole either.

@@ -13,6 +13,7 @@ mod m20261201_000002_lease_fence_key;
 mod m20261201_000003_consumer;
 mod m20261201_000004_retention;
 mod m20261201_000005_backlog;
+mod m20261202_000006_insert_checks;
 
 /// The ordered list of Outpost's migrations, recorded in `outpost_migrations`.
 #[derive(Debug)]
@@ -27,6 +28,7 @@ impl MigratorTrait for Migrator {
             Box::new(m20261201_000003_consumer::Migration),
             Box::new(m20261201_000004_retention::Migration),
             Box::new(m20261201_000005_backlog::Migration),
+            Box::new(m20261202_000006_insert_checks::Migration),
         ]
     }
 
