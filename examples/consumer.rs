@@ -81,7 +81,7 @@ async fn main() -> anyhow::Result<()> {
         pool_size: 20,
         connect_timeout: std::time::Duration::from_secs(5),
         application_name: "outpost example consumer".into(),
-        async_commit: false,
+        relay_worker: false,
     })
     .await?;
     // The helper's tables (outpost_inbox, outpost_consumer_position) and the projection.

@@ -746,3 +746,43 @@ async fn routes_sharing_a_stream_share_its_order_and_a_second_stream_waits_its_t
     assert_all_published(&db).await;
     node.shutdown().await;
 }
+
+/// The relay's worker sessions commit asynchronously and use generic plans; every other session
+/// (the supervisor's leases, operators' commands) keeps PostgreSQL's defaults.
+#[tokio::test]
+async fn worker_sessions_commit_asynchronously_and_use_generic_plans() {
+    let db = TestDb::new().await;
+    for (relay_worker, commit, plans) in
+        [(true, "off", "force_generic_plan"), (false, "on", "auto")]
+    {
+        let store = outpost::store::Store::connect(&outpost::store::ConnectSettings {
+            url: db.url.clone(),
+            pool_size: 1,
+            connect_timeout: std::time::Duration::from_secs(10),
+            application_name: "outpost test".to_owned(),
+            relay_worker,
+        })
+        .await
+        .unwrap();
+        let row = store
+            .connection()
+            .query_one_raw(Statement::from_string(
+                DbBackend::Postgres,
+                "SELECT current_setting('synchronous_commit'), current_setting('plan_cache_mode'), \
+                        current_setting('random_page_cost')",
+            ))
+            .await
+            .unwrap()
+            .unwrap();
+        let got: (String, String, String) = (
+            row.try_get_by_index(0).unwrap(),
+            row.try_get_by_index(1).unwrap(),
+            row.try_get_by_index(2).unwrap(),
+        );
+        assert_eq!(
+            got,
+            (commit.to_owned(), plans.to_owned(), "1.1".to_owned()),
+            "relay_worker = {relay_worker}"
+        );
+    }
+}

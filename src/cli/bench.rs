@@ -85,7 +85,7 @@ async fn producer(config: &Config, args: ProducerBench) -> anyhow::Result<()> {
         pool_size: args.writers + 4,
         connect_timeout: Duration::from_secs(10),
         application_name: "outpost bench".to_owned(),
-        async_commit: false,
+        relay_worker: false,
     };
     let store = Store::connect(&settings).await?;
     store::migrate_up(&store).await?;

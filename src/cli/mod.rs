@@ -176,7 +176,7 @@ pub(crate) async fn connect(config: &Config, purpose: &str) -> anyhow::Result<St
         pool_size: config.database.pool_size,
         connect_timeout: Duration::from_millis(config.database.connect_timeout_ms),
         application_name: format!("outpost {purpose}"),
-        async_commit: false,
+        relay_worker: false,
     })
     .await
     .with_context(|| format!("connecting to the database at {url}"))

@@ -58,7 +58,7 @@ impl Scratch {
             pool_size,
             connect_timeout: Duration::from_secs(10),
             application_name: format!("outpost bench {bench}"),
-            async_commit: false,
+            relay_worker: false,
         })
         .await?;
         store::migrate_up(&store).await?;

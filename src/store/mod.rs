@@ -48,11 +48,15 @@ pub struct ConnectSettings {
     /// `application_name` shown in `pg_stat_activity`, so an operator can tell relay sessions
     /// apart (and terminate them) without guessing.
     pub application_name: String,
-    /// `synchronous_commit = off` for this pool's sessions. Only for the relay's workers: their
-    /// writes are marks and retry records, and a mark lost in a database crash only means its
-    /// rows are published again (a duplicate with the same event id), never a lost event. Lease
-    /// changes and operator actions always commit durably.
-    pub async_commit: bool,
+    /// The session settings of the relay's workers:
+    /// - `synchronous_commit = off`: their writes are marks and retry records, and a mark lost in
+    ///   a database crash only means its rows are published again (a duplicate with the same
+    ///   event id), never a lost event. Lease changes and operator actions always commit durably.
+    /// - `plan_cache_mode = force_generic_plan`: their statements have fixed shapes whose
+    ///   parameters are arrays (partitions, ids), and PostgreSQL would otherwise plan each claim
+    ///   and mark again at every execution, which under a steady flow of small batches cost more
+    ///   than running them. The generic plans use the same indexes (`docs/operations.md`).
+    pub relay_worker: bool,
 }
 
 /// A handle on Outpost's database: a connection pool plus the backend it speaks.
@@ -67,7 +71,11 @@ impl Store {
     pub async fn connect(settings: &ConnectSettings) -> Result<Self, StoreError> {
         let mut opts = ConnectOptions::new(settings.url.clone());
         let app = settings.application_name.clone();
-        let sync_commit = if settings.async_commit { "off" } else { "on" };
+        let (sync_commit, plans) = if settings.relay_worker {
+            ("off", "force_generic_plan")
+        } else {
+            ("on", "auto")
+        };
         opts.max_connections(settings.pool_size)
             .min_connections(0)
             .connect_timeout(settings.connect_timeout)
@@ -80,6 +88,7 @@ impl Store {
                 o.application_name(&app).options([
                     ("random_page_cost", "1.1"),
                     ("synchronous_commit", sync_commit),
+                    ("plan_cache_mode", plans),
                 ])
             });
         let db = Database::connect(opts).await.map_err(StoreError::from_db)?;

@@ -76,7 +76,7 @@ async fn connect_to(url: &str, pool: u32) -> Result<Store, store::StoreError> {
         pool_size: pool,
         connect_timeout: Duration::from_secs(10),
         application_name: "outpost test".to_owned(),
-        async_commit: false,
+        relay_worker: false,
     })
     .await
 }
