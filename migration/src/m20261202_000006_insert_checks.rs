@@ -41,7 +41,44 @@ impl MigrationTrait for Migration {
     }
 }
 
-const UP: &str = r#"
+/// The trigger's part that both versions share: the sequence under the aggregate's row lock and
+/// the columns the database fills in (as `m20261201_000001_outbox` wrote it).
+macro_rules! assign_sequence {
+    () => {
+        r#"
+    UPDATE outpost_aggregate
+       SET last_seq = last_seq + 1
+     WHERE aggregate_type = NEW.aggregate_type AND aggregate_id = NEW.aggregate_id
+    RETURNING last_seq, partition, blocked_seq IS NOT NULL INTO v_seq, v_part, v_blocked;
+    IF NOT FOUND THEN
+        INSERT INTO outpost_aggregate AS a (aggregate_type, aggregate_id, last_seq, partition)
+        VALUES (NEW.aggregate_type, NEW.aggregate_id, 1,
+                outpost_partition_of(NEW.aggregate_type, NEW.aggregate_id,
+                                     (SELECT partition_count FROM outpost_meta)))
+        ON CONFLICT (aggregate_type, aggregate_id)
+            DO UPDATE SET last_seq = a.last_seq + 1
+        RETURNING last_seq, partition, blocked_seq IS NOT NULL INTO v_seq, v_part, v_blocked;
+    END IF;
+    NEW.id := nextval('outpost_event_id_seq');
+    NEW.aggregate_seq := v_seq;
+    NEW.partition := v_part;
+    NEW.txid := txid_current(); -- pg_current_xact_id() as a bigint
+    NEW.recorded_at := clock_timestamp();
+    NEW.status := CASE WHEN v_blocked THEN 'held' ELSE 'pending' END;
+    NEW.attempts := 0;
+    NEW.next_attempt_at := now();
+    NEW.last_error := NULL;
+    NEW.published_at := NULL;
+    NEW.stream_id := NULL;
+    RETURN NEW;
+END
+$$;
+"#
+    };
+}
+
+const UP: &str = concat!(
+    r#"
 -- Refuses a row that breaks one of the outbox's rules, the way a CHECK constraint would.
 CREATE FUNCTION outpost_event_refuse(p_constraint text, p_column text, p_message text,
                                      p_hint text) RETURNS void
@@ -128,34 +165,9 @@ BEGIN
             'leave destination NULL to use the routing rules');
     END IF;
 
-    UPDATE outpost_aggregate
-       SET last_seq = last_seq + 1
-     WHERE aggregate_type = NEW.aggregate_type AND aggregate_id = NEW.aggregate_id
-    RETURNING last_seq, partition, blocked_seq IS NOT NULL INTO v_seq, v_part, v_blocked;
-    IF NOT FOUND THEN
-        INSERT INTO outpost_aggregate AS a (aggregate_type, aggregate_id, last_seq, partition)
-        VALUES (NEW.aggregate_type, NEW.aggregate_id, 1,
-                outpost_partition_of(NEW.aggregate_type, NEW.aggregate_id,
-                                     (SELECT partition_count FROM outpost_meta)))
-        ON CONFLICT (aggregate_type, aggregate_id)
-            DO UPDATE SET last_seq = a.last_seq + 1
-        RETURNING last_seq, partition, blocked_seq IS NOT NULL INTO v_seq, v_part, v_blocked;
-    END IF;
-    NEW.id := nextval('outpost_event_id_seq');
-    NEW.aggregate_seq := v_seq;
-    NEW.partition := v_part;
-    NEW.txid := txid_current(); -- pg_current_xact_id() as a bigint
-    NEW.recorded_at := clock_timestamp();
-    NEW.status := CASE WHEN v_blocked THEN 'held' ELSE 'pending' END;
-    NEW.attempts := 0;
-    NEW.next_attempt_at := now();
-    NEW.last_error := NULL;
-    NEW.published_at := NULL;
-    NEW.stream_id := NULL;
-    RETURN NEW;
-END
-$$;
-
+"#,
+    assign_sequence!(),
+    r#"
 ALTER TABLE outpost_event
     DROP CONSTRAINT outpost_event_aggregate_type_check,
     DROP CONSTRAINT outpost_event_aggregate_id_check,
@@ -165,9 +177,11 @@ ALTER TABLE outpost_event
     DROP CONSTRAINT outpost_event_headers_check,
     DROP CONSTRAINT outpost_event_destination_check;
 DROP FUNCTION outpost_headers_valid(jsonb);
-"#;
+"#
+);
 
-const DOWN: &str = r#"
+const DOWN: &str = concat!(
+    r#"
 CREATE FUNCTION outpost_headers_valid(p_headers jsonb) RETURNS boolean
 LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$
     SELECT jsonb_typeof(p_headers) = 'object'
@@ -200,33 +214,9 @@ DECLARE
     v_part    integer;
     v_blocked boolean;
 BEGIN
-    UPDATE outpost_aggregate
-       SET last_seq = last_seq + 1
-     WHERE aggregate_type = NEW.aggregate_type AND aggregate_id = NEW.aggregate_id
-    RETURNING last_seq, partition, blocked_seq IS NOT NULL INTO v_seq, v_part, v_blocked;
-    IF NOT FOUND THEN
-        INSERT INTO outpost_aggregate AS a (aggregate_type, aggregate_id, last_seq, partition)
-        VALUES (NEW.aggregate_type, NEW.aggregate_id, 1,
-                outpost_partition_of(NEW.aggregate_type, NEW.aggregate_id,
-                                     (SELECT partition_count FROM outpost_meta)))
-        ON CONFLICT (aggregate_type, aggregate_id)
-            DO UPDATE SET last_seq = a.last_seq + 1
-        RETURNING last_seq, partition, blocked_seq IS NOT NULL INTO v_seq, v_part, v_blocked;
-    END IF;
-    NEW.id := nextval('outpost_event_id_seq');
-    NEW.aggregate_seq := v_seq;
-    NEW.partition := v_part;
-    NEW.txid := txid_current(); -- pg_current_xact_id() as a bigint
-    NEW.recorded_at := clock_timestamp();
-    NEW.status := CASE WHEN v_blocked THEN 'held' ELSE 'pending' END;
-    NEW.attempts := 0;
-    NEW.next_attempt_at := now();
-    NEW.last_error := NULL;
-    NEW.published_at := NULL;
-    NEW.stream_id := NULL;
-    RETURN NEW;
-END
-$$;
-
+"#,
+    assign_sequence!(),
+    r#"
 DROP FUNCTION IF EXISTS outpost_event_refuse(text, text, text, text);
-"#;
+"#
+);
