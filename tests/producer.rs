@@ -651,3 +651,26 @@ async fn many_events_in_one_call_keep_their_order_and_ids() {
         );
     }
 }
+
+/// The row rules live in the insert trigger: PostgreSQL prepares every CHECK constraint anew for
+/// each statement writing the table, which made one-row inserts and the relay's marks several
+/// times slower (docs/benchmarks.md). Only the cheap status rule stays a constraint.
+#[tokio::test]
+async fn the_outbox_carries_no_check_constraint_but_the_status_rule() {
+    let db = TestDb::new().await;
+    let rows = db
+        .store
+        .connection()
+        .query_all_raw(Statement::from_string(
+            DbBackend::Postgres,
+            "SELECT conname::text FROM pg_constraint \
+             WHERE conrelid = 'outpost_event'::regclass AND contype = 'c' ORDER BY conname",
+        ))
+        .await
+        .unwrap();
+    let names: Vec<String> = rows
+        .iter()
+        .map(|r| r.try_get_by_index(0).unwrap())
+        .collect();
+    assert_eq!(names, ["outpost_event_status_check"]);
+}
