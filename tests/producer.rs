@@ -622,6 +622,101 @@ async fn the_schema_refuses_bad_rows_from_plain_sql() {
     );
 }
 
+/// The plain-SQL insert of one row: every column at a valid value but those given.
+fn insert_row(values: &[(&str, &str)]) -> String {
+    let defaults = [
+        ("aggregate_type", "'o'"),
+        ("aggregate_id", "'1'"),
+        ("event_type", "'t'"),
+        ("payload", "'{}'"),
+        ("schema_version", "'1'"),
+        ("headers", "'{}'"),
+        ("destination", "NULL"),
+    ];
+    let (columns, exprs): (Vec<&str>, Vec<&str>) = defaults
+        .iter()
+        .map(|&(c, d)| (c, values.iter().find(|v| v.0 == c).map_or(d, |v| v.1)))
+        .unzip();
+    format!(
+        "INSERT INTO outpost_event ({}) VALUES ({})",
+        columns.join(", "),
+        exprs.join(", ")
+    )
+}
+
+/// The trigger tests every rule at once and, only for a row that fails, finds the broken rule
+/// one by one: rows at each rule's limits pass both, rows just past them are refused naming the
+/// rule.
+#[tokio::test]
+async fn rows_at_the_limits_of_the_rules_are_accepted_and_just_past_them_refused() {
+    let db = TestDb::new().await;
+    let accepted = [
+        insert_row(&[("aggregate_type", "repeat('a', 255)")]),
+        insert_row(&[("aggregate_id", "repeat('é', 512)")]),
+        insert_row(&[
+            ("event_type", "repeat('é', 255)"),
+            ("schema_version", "'0'"),
+        ]),
+        insert_row(&[("schema_version", "'123456789.0.1'")]),
+        insert_row(&[
+            ("schema_version", "'2.1'"),
+            ("destination", "repeat('d', 512)"),
+        ]),
+        insert_row(&[("headers", "jsonb_build_object(repeat('k', 256), 'v')")]),
+        insert_row(&[("headers", "jsonb_build_object(repeat('é', 256), '')")]),
+        insert_row(&[("headers", "jsonb_build_object(repeat(E'\\n', 256), 'v')")]),
+        insert_row(&[("headers", r#"'{"traceparent": "00-x", "b": "y"}'"#)]),
+        insert_row(&[("aggregate_type", "'o é'"), ("event_type", "'order.paid'")]),
+        // A blank destination is allowed: the rule refuses only empty ones.
+        insert_row(&[("destination", "' '")]),
+    ];
+    for sql in &accepted {
+        if let Err(e) = db.store.connection().execute_unprepared(sql).await {
+            panic!("refused {sql}: {e}");
+        }
+    }
+    let refused = [
+        ("aggregate_type", "repeat('a', 256)"),
+        ("aggregate_type", "E'o\\u0085'"),
+        ("aggregate_id", "repeat('é', 513)"),
+        ("aggregate_id", "' '"),
+        ("event_type", "repeat('é', 256)"),
+        ("event_type", "E'order\\u0085paid'"),
+        ("event_type", "E'order\\x7f'"),
+        ("schema_version", "'01'"),
+        ("schema_version", "'1.2.3.4'"),
+        ("schema_version", "''"),
+        ("headers", "jsonb_build_object(repeat('k', 257), 'v')"),
+        ("headers", "jsonb_build_object(repeat('é', 257), 'v')"),
+        ("headers", r#"'{"": "v"}'"#),
+        ("headers", r#"'{"a": "v", "b": null}'"#),
+        ("headers", r#"'{"a": {"b": "c"}}'"#),
+        ("headers", r#"'"text"'"#),
+        (
+            "headers",
+            "jsonb_build_object('big', repeat(md5(random()::text), 3000))",
+        ),
+        ("destination", "repeat('d', 513)"),
+        ("destination", "E'a\\tb'"),
+    ];
+    for (column, value) in refused {
+        let sql = insert_row(&[(column, value)]);
+        match db.store.connection().execute_unprepared(&sql).await {
+            Err(e) => match StoreError::from_db(e) {
+                StoreError::Rejected { constraint, .. } => {
+                    assert_eq!(constraint, format!("outpost_event_{column}_check"), "{sql}");
+                }
+                other => panic!("{sql}: not refused as a bad row: {other}"),
+            },
+            Ok(_) => panic!("{sql} was accepted"),
+        }
+    }
+    assert_eq!(
+        scalar(&db, "SELECT count(*) FROM outpost_event").await,
+        i64::try_from(accepted.len()).unwrap()
+    );
+}
+
 #[tokio::test]
 async fn many_events_in_one_call_keep_their_order_and_ids() {
     let db = TestDb::new().await;
@@ -673,4 +768,75 @@ async fn the_outbox_carries_no_check_constraint_but_the_status_rule() {
         .map(|r| r.try_get_by_index(0).unwrap())
         .collect();
     assert_eq!(names, ["outpost_event_status_check"]);
+}
+
+/// Reverting `m20261202_000007_lean_insert` gives back the insert and nudge triggers of the
+/// migration before, and applying it again today's: across both, rows get their sequence and
+/// nudge, and bad rows are refused naming the rule.
+#[tokio::test]
+async fn the_lean_insert_migration_reverts_and_reapplies() {
+    let db = TestDb::new().await;
+    let names: Vec<String> = outpost::store::migrate_status(&db.store)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|m| m.name)
+        .collect();
+    let at = names
+        .iter()
+        .position(|n| n == "m20261202_000007_lean_insert")
+        .unwrap();
+    let steps = u32::try_from(names.len() - at).unwrap();
+    db.store
+        .register_node(&NodeInfo {
+            node_id: "n1".into(),
+            hostname: "h".into(),
+            pid: 1,
+            version: "t".into(),
+        })
+        .await
+        .unwrap();
+    db.store.set_wants_nudge("n1", true).await.unwrap();
+    let mut listener = NudgeListener::connect(&db.url).await.unwrap();
+    let partition = scalar(&db, "SELECT outpost_partition_of('o', '1', 64)::int8").await;
+    let partition = i32::try_from(partition).unwrap();
+    let triggers = "SELECT count(*) FROM pg_trigger \
+                    WHERE tgrelid = 'outpost_event'::regclass AND NOT tgisinternal";
+
+    for (step, expected_triggers) in [("now", 1), ("reverted", 2), ("reapplied", 1)] {
+        match step {
+            "reverted" => outpost::store::migrate_down(&db.store, Some(steps))
+                .await
+                .unwrap(),
+            "reapplied" => outpost::store::migrate_up(&db.store).await.unwrap(),
+            _ => {}
+        }
+        assert_eq!(scalar(&db, triggers).await, expected_triggers, "{step}");
+        db.store
+            .connection()
+            .execute_unprepared(&insert_row(&[]))
+            .await
+            .unwrap();
+        assert_eq!(
+            listener.recv().await.unwrap(),
+            Nudge::Partitions(vec![partition]),
+            "{step}"
+        );
+        let err = db
+            .store
+            .connection()
+            .execute_unprepared(&insert_row(&[("schema_version", "'v2'")]))
+            .await
+            .map(|_| ())
+            .map_err(StoreError::from_db);
+        assert!(
+            matches!(&err, Err(StoreError::Rejected { constraint, .. })
+                if constraint == "outpost_event_schema_version_check"),
+            "{step}: {err:?}"
+        );
+    }
+    assert_eq!(
+        scalar(&db, "SELECT max(aggregate_seq) FROM outpost_event").await,
+        3
+    );
 }

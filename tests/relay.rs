@@ -326,13 +326,25 @@ async fn terminated_database_sessions_are_survived_without_loss() {
 async fn a_missed_nudge_waits_for_the_scheduled_poll() {
     let db = TestDb::new().await;
     let redis = TestRedis::new();
-    db.store
-        .connection()
-        .execute_unprepared("ALTER TABLE outpost_event DISABLE TRIGGER outpost_event_nudge")
-        .await
-        .unwrap();
     let node = support::start_node(relay_config(&db, &redis, "nonudge-node")).await;
     wait_for_idle_node(&db).await;
+    // The nudge gets lost: the idle node waits for one, but its request is gone from the table
+    // and cannot come back, so the producer's insert sends none.
+    db.store
+        .connection()
+        .execute_unprepared(
+            "CREATE FUNCTION test_lose_nudges() RETURNS trigger LANGUAGE plpgsql AS \
+             $$ BEGIN NEW.wants_nudge := false; RETURN NEW; END $$; \
+             CREATE TRIGGER test_lose_nudges BEFORE UPDATE ON outpost_node \
+             FOR EACH ROW EXECUTE FUNCTION test_lose_nudges(); \
+             UPDATE outpost_node SET wants_nudge = false;",
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        scalar(&db, "SELECT count(*) FROM outpost_node WHERE wants_nudge").await,
+        0
+    );
     let id = commit(&db, vec![EventFact::new("kind0", "a", "t", json!({}))]).await;
     let d = wait_delivered(&redis, 1, 30).await;
     assert!(d.copies.contains_key(&id[0]));

@@ -14,6 +14,7 @@ mod m20261201_000003_consumer;
 mod m20261201_000004_retention;
 mod m20261201_000005_backlog;
 mod m20261202_000006_insert_checks;
+mod m20261202_000007_lean_insert;
 
 /// The ordered list of Outpost's migrations, recorded in `outpost_migrations`.
 #[derive(Debug)]
@@ -29,6 +30,7 @@ impl MigratorTrait for Migrator {
             Box::new(m20261201_000004_retention::Migration),
             Box::new(m20261201_000005_backlog::Migration),
             Box::new(m20261202_000006_insert_checks::Migration),
+            Box::new(m20261202_000007_lean_insert::Migration),
         ]
     }
 

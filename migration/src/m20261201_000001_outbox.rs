@@ -32,7 +32,34 @@ impl MigrationTrait for Migration {
     }
 }
 
-const UP: &str = r#"
+/// The wake-up nudge as this migration created it (`m20261202_000007_lean_insert` replaces it
+/// and restores it on `down`).
+macro_rules! nudge_trigger {
+    () => {
+        r#"-- The nudge: one NOTIFY per inserting statement, only while some node asked for it. The payload
+-- lists the partitions the statement wrote to, so a node wakes only those.
+CREATE FUNCTION outpost_event_nudge() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF EXISTS (SELECT 1 FROM outpost_node WHERE wants_nudge) THEN
+        PERFORM pg_notify('outpost_wakeup',
+                          (SELECT string_agg(DISTINCT partition::text, ',') FROM outpost_new_rows));
+    END IF;
+    RETURN NULL;
+END
+$$;
+
+CREATE TRIGGER outpost_event_nudge AFTER INSERT ON outpost_event
+    REFERENCING NEW TABLE AS outpost_new_rows
+    FOR EACH STATEMENT EXECUTE FUNCTION outpost_event_nudge();
+
+"#
+    };
+}
+pub(crate) use nudge_trigger;
+
+const UP: &str = concat!(
+    r#"
 CREATE TABLE outpost_meta (
     singleton       boolean PRIMARY KEY DEFAULT true CHECK (singleton),
     partition_count integer NOT NULL CHECK (partition_count BETWEEN 1 AND 4096)
@@ -180,24 +207,9 @@ CREATE TABLE outpost_node (
     pid          integer     NOT NULL DEFAULT 0
 );
 
--- The nudge: one NOTIFY per inserting statement, only while some node asked for it. The payload
--- lists the partitions the statement wrote to, so a node wakes only those.
-CREATE FUNCTION outpost_event_nudge() RETURNS trigger
-LANGUAGE plpgsql AS $$
-BEGIN
-    IF EXISTS (SELECT 1 FROM outpost_node WHERE wants_nudge) THEN
-        PERFORM pg_notify('outpost_wakeup',
-                          (SELECT string_agg(DISTINCT partition::text, ',') FROM outpost_new_rows));
-    END IF;
-    RETURN NULL;
-END
-$$;
-
-CREATE TRIGGER outpost_event_nudge AFTER INSERT ON outpost_event
-    REFERENCING NEW TABLE AS outpost_new_rows
-    FOR EACH STATEMENT EXECUTE FUNCTION outpost_event_nudge();
-
--- Partition leases. `epoch` is the fencing token: every acquisition bumps it, and every mark and
+"#,
+    nudge_trigger!(),
+    r#"-- Partition leases. `epoch` is the fencing token: every acquisition bumps it, and every mark and
 -- publish is checked against it.
 CREATE TABLE outpost_partition (
     partition   integer     PRIMARY KEY,
@@ -231,7 +243,8 @@ CREATE TABLE outpost_inbox (
     PRIMARY KEY (consumer_group, event_id)
 );
 CREATE INDEX outpost_inbox_processed_at ON outpost_inbox (processed_at);
-"#;
+"#
+);
 
 const DOWN: &str = r#"
 DROP TABLE IF EXISTS outpost_inbox;

@@ -76,34 +76,13 @@ $$;
 "#
     };
 }
+pub(crate) use assign_sequence;
 
-const UP: &str = concat!(
-    r#"
--- Refuses a row that breaks one of the outbox's rules, the way a CHECK constraint would.
-CREATE FUNCTION outpost_event_refuse(p_constraint text, p_column text, p_message text,
-                                     p_hint text) RETURNS void
-LANGUAGE plpgsql AS $$
-BEGIN
-    RAISE EXCEPTION USING
-        ERRCODE = 'check_violation',
-        MESSAGE = format('new row for relation "outpost_event" violates check constraint "%s": %s',
-                         p_constraint, p_message),
-        HINT = p_hint,
-        CONSTRAINT = p_constraint,
-        TABLE = 'outpost_event',
-        COLUMN = p_column;
-END
-$$;
-
-CREATE OR REPLACE FUNCTION outpost_event_before_insert() RETURNS trigger
-LANGUAGE plpgsql AS $$
-DECLARE
-    v_seq     bigint;
-    v_part    integer;
-    v_blocked boolean;
-    v_column  text;
-BEGIN
-    -- Identity first: the sequence below is keyed by it.
+/// The rules every inserted row must keep, as PL/pgSQL statements on `NEW` that raise the error
+/// of the rule a row breaks. They need a `v_column text` variable.
+macro_rules! row_rules {
+    () => {
+        r#"    -- Identity first: the sequence below is keyed by it.
     v_column := CASE WHEN NEW.aggregate_type IS NULL THEN 'aggregate_type'
                      WHEN NEW.aggregate_id IS NULL THEN 'aggregate_id'
                      WHEN NEW.event_type IS NULL THEN 'event_type' END;
@@ -164,9 +143,53 @@ BEGIN
                    'character', left(to_json(NEW.destination)::text, 80)),
             'leave destination NULL to use the routing rules');
     END IF;
+"#
+    };
+}
+pub(crate) use row_rules;
+
+/// The insert trigger's function as this migration creates it (`m20261202_000007_lean_insert`
+/// restores it on `down`).
+macro_rules! rules_trigger {
+    () => {
+        concat!(
+            r#"CREATE OR REPLACE FUNCTION outpost_event_before_insert() RETURNS trigger
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_seq     bigint;
+    v_part    integer;
+    v_blocked boolean;
+    v_column  text;
+BEGIN
+"#,
+            $crate::m20261202_000006_insert_checks::row_rules!(),
+            "\n",
+            $crate::m20261202_000006_insert_checks::assign_sequence!()
+        )
+    };
+}
+pub(crate) use rules_trigger;
+
+const UP: &str = concat!(
+    r#"
+-- Refuses a row that breaks one of the outbox's rules, the way a CHECK constraint would.
+CREATE FUNCTION outpost_event_refuse(p_constraint text, p_column text, p_message text,
+                                     p_hint text) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION USING
+        ERRCODE = 'check_violation',
+        MESSAGE = format('new row for relation "outpost_event" violates check constraint "%s": %s',
+                         p_constraint, p_message),
+        HINT = p_hint,
+        CONSTRAINT = p_constraint,
+        TABLE = 'outpost_event',
+        COLUMN = p_column;
+END
+$$;
 
 "#,
-    assign_sequence!(),
+    rules_trigger!(),
     r#"
 ALTER TABLE outpost_event
     DROP CONSTRAINT outpost_event_aggregate_type_check,

@@ -1,8 +1,9 @@
 //! The wake-up channel: `LISTEN outpost_wakeup`.
 //!
-//! Producers NOTIFY only while some node has asked for it (`outpost_node.wants_nudge`), with the
-//! partitions their statement wrote to as the payload. A nudge may be missed (connection loss);
-//! callers must also poll on a schedule.
+//! Producers NOTIFY only while some node has asked for it (`outpost_node.wants_nudge`), once per
+//! partition a transaction wrote to, with the partition as the payload (schemas before migration
+//! `000007` sent a comma-separated list per statement; both parse). A nudge may be missed
+//! (connection loss); callers must also poll on a schedule.
 
 use sea_orm::sqlx::postgres::PgListener;
 
