@@ -348,8 +348,8 @@ async fn producers_cannot_forge_delivery_state() {
         .connection()
         .execute_unprepared(
             "INSERT INTO outpost_event (aggregate_type, aggregate_id, event_type, payload, \
-             status, attempts, aggregate_seq, partition, id) \
-             VALUES ('order', 'x', 'order.paid', '{}', 'published', 99, 42, 9999, 5)",
+             status, attempts, aggregate_seq, partition, id, txid) \
+             VALUES ('order', 'x', 'order.paid', '{}', 'published', 99, 42, 9999, 5, 7)",
         )
         .await
         .unwrap();
@@ -838,5 +838,135 @@ async fn the_lean_insert_migration_reverts_and_reapplies() {
     assert_eq!(
         scalar(&db, "SELECT max(aggregate_seq) FROM outpost_event").await,
         3
+    );
+}
+
+/// Many events in one call are written by one statement that does the trigger's work for all of
+/// them: each aggregate's sequence in the order given with ids drawn in that order, the held
+/// state of a held-back aggregate, and one nudge per partition written while a node asks.
+#[tokio::test]
+async fn one_statement_for_many_events_sequences_holds_and_nudges_like_the_trigger() {
+    let db = TestDb::new().await;
+    let p = Producer::default();
+    db.store
+        .register_node(&NodeInfo {
+            node_id: "n1".into(),
+            hostname: "h".into(),
+            pid: 1,
+            version: "t".into(),
+        })
+        .await
+        .unwrap();
+    db.store.set_wants_nudge("n1", true).await.unwrap();
+    let mut listener = NudgeListener::connect(&db.url).await.unwrap();
+    // o-0 exists and is held back (its earlier event waits for a retry); the others are new.
+    let txn = db.store.connection().begin().await.unwrap();
+    p.enqueue(&txn, &paid("o-0")).await.unwrap();
+    txn.commit().await.unwrap();
+    let first_nudge = listener.recv().await.unwrap();
+    db.store
+        .connection()
+        .execute_unprepared(
+            "UPDATE outpost_aggregate SET blocked_seq = 1 WHERE aggregate_id = 'o-0'",
+        )
+        .await
+        .unwrap();
+
+    let facts: Vec<EventFact> = (0..60)
+        .map(|i| {
+            EventFact::new(
+                "order",
+                format!("o-{}", i % 6),
+                "order.paid",
+                json!({"i": i}),
+            )
+        })
+        .collect();
+    let txn = db.store.connection().begin().await.unwrap();
+    let out = p.enqueue_facts(&txn, facts).await.unwrap();
+    txn.commit().await.unwrap();
+
+    for k in 0..6 {
+        let mine: Vec<&outpost::produce::Enqueued> = out.iter().skip(k).step_by(6).collect();
+        let offset = i64::from(k == 0);
+        assert_eq!(
+            mine.iter().map(|e| e.aggregate_seq).collect::<Vec<_>>(),
+            (1 + offset..=10 + offset).collect::<Vec<_>>(),
+            "o-{k}: the sequence in the order given"
+        );
+        assert!(
+            mine.windows(2).all(|w| w[0].id < w[1].id),
+            "o-{k}: ids in sequence order"
+        );
+        let status = if k == 0 { "held" } else { "pending" };
+        assert!(mine.iter().all(|e| e.status == status), "o-{k}: {status}");
+    }
+    let partitions: HashSet<i32> = out.iter().map(|e| e.partition).collect();
+    let mut nudged = HashSet::new();
+    while nudged.len() < partitions.len() {
+        match listener.recv().await.unwrap() {
+            Nudge::Partitions(ps) => nudged.extend(ps),
+            Nudge::MaybeMissed => panic!("the listener lost its connection"),
+        }
+    }
+    assert_eq!(nudged, partitions);
+    assert_eq!(first_nudge, Nudge::Partitions(vec![out[0].partition]));
+
+    // With no node asking, the statement sends none.
+    db.store.set_wants_nudge("n1", false).await.unwrap();
+    let txn = db.store.connection().begin().await.unwrap();
+    p.enqueue_facts(
+        &txn,
+        vec![
+            EventFact::new("order", "o-20", "order.paid", json!({})),
+            EventFact::new("order", "o-21", "order.paid", json!({})),
+        ],
+    )
+    .await
+    .unwrap();
+    txn.commit().await.unwrap();
+    db.store.set_wants_nudge("n1", true).await.unwrap();
+    let txn = db.store.connection().begin().await.unwrap();
+    let last = p.enqueue(&txn, &paid("o-22")).await.unwrap();
+    txn.commit().await.unwrap();
+    assert_eq!(
+        listener.recv().await.unwrap(),
+        Nudge::Partitions(vec![last.partition]),
+        "the inserts made while no node asked sent no nudge"
+    );
+}
+
+/// The statement for many events applies the schema's rules itself (the producer checks first,
+/// so only rows built past it reach them), with the same errors as the trigger.
+#[tokio::test]
+async fn one_statement_for_many_events_refuses_a_bad_row_and_writes_none() {
+    let db = TestDb::new().await;
+    let p = Producer::default();
+    let good = p
+        .prepare(EventFact::new("order", "o-1", "order.paid", json!({})))
+        .unwrap();
+    let mut bad = p
+        .prepare(EventFact::new("order", "o-2", "order.paid", json!({})))
+        .unwrap();
+    bad.schema_version = "v2".to_owned();
+    let txn = db.store.connection().begin().await.unwrap();
+    let err = outpost::store::insert_events(&txn, &[good, bad])
+        .await
+        .unwrap_err();
+    txn.rollback().await.unwrap();
+    match err {
+        StoreError::Rejected { constraint, detail } => {
+            assert_eq!(constraint, "outpost_event_schema_version_check");
+            assert!(
+                detail.contains(r#"schema_version "v2" is not MAJOR"#),
+                "{detail}"
+            );
+        }
+        other => panic!("not refused as a bad row: {other}"),
+    }
+    assert_eq!(scalar(&db, "SELECT count(*) FROM outpost_event").await, 0);
+    assert_eq!(
+        scalar(&db, "SELECT count(*) FROM outpost_aggregate").await,
+        0
     );
 }

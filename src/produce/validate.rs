@@ -1,8 +1,8 @@
 //! Validation of event facts before they reach the database.
 //!
-//! The schema enforces the same rules at insert (the outbox's insert trigger, which reports a
-//! broken rule as a CHECK violation naming its constraint); checking here first gives the caller a
-//! precise error and keeps its transaction usable.
+//! The schema enforces the same rules at insert (the outbox's insert trigger, or the statement
+//! for many events, which report a broken rule as a CHECK violation naming its constraint);
+//! checking here first gives the caller a precise error and keeps its transaction usable.
 
 use chrono::Utc;
 use serde_json::Value;
