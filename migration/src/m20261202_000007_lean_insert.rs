@@ -27,7 +27,7 @@
 //!
 //! `pgbench`, 16 clients, CPU time of the whole machine (2-vCPU VM, 2026-12-02, alternating runs):
 //! one-row `INSERT` per transaction, the tables and triggers of `000006` 236–257 µs, this
-//! trigger 211–234 µs, a plain copy of the table without triggers 155–163 µs per transaction;
+//! trigger 190–234 µs, a plain copy of the table without triggers 137–163 µs per transaction;
 //! 100-row statements written by PostgreSQL itself, the trigger 39–40 µs, the statement for many
 //! events 30–31 µs, the plain copy 20 µs per event.
 //!
