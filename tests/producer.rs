@@ -363,6 +363,23 @@ async fn producers_cannot_forge_delivery_state() {
         ("pending", 0, 1)
     );
     assert!(row.partition < 64);
+    // Naming its own transaction's id marks a row as sequenced by the producer API's statement;
+    // by hand, without the id, sequence and partition, it is refused instead of half-filled.
+    let err = db
+        .store
+        .connection()
+        .execute_unprepared(
+            "INSERT INTO outpost_event (aggregate_type, aggregate_id, event_type, payload, txid) \
+             VALUES ('order', 'x', 'order.paid', '{}', txid_current())",
+        )
+        .await
+        .map(|_| ())
+        .map_err(StoreError::from_db);
+    assert!(
+        matches!(&err, Err(StoreError::Rejected { detail, .. }) if detail.contains("not-null")),
+        "{err:?}"
+    );
+    assert_eq!(scalar(&db, "SELECT count(*) FROM outpost_event").await, 1);
 }
 
 #[derive(Serialize)]

@@ -116,7 +116,7 @@ pub(super) fn insert_sql(table: &str, rows: usize) -> String {
 /// next sequence numbers of its aggregate in the order given and an id drawn after its
 /// aggregate's lock; the rules are checked (the same functions the trigger calls, raising the
 /// same errors); a node that asked for nudges gets one per partition. The trigger leaves such
-/// rows alone: they come with their id, sequence, partition and their own transaction's id.
+/// rows alone: they come with their own transaction's id (and their id, sequence and partition).
 /// The bind values are those of [`insert_sql`].
 fn insert_many_sql(rows: usize) -> String {
     let mut sql = String::with_capacity(2000 + rows * 140);
