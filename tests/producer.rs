@@ -56,6 +56,21 @@ async fn seqs(db: &TestDb, aggregate_id: &str) -> Vec<i64> {
         .collect()
 }
 
+/// Registers node `n1` asking for nudges, and listens for them.
+async fn nudged_node(db: &TestDb) -> NudgeListener {
+    db.store
+        .register_node(&NodeInfo {
+            node_id: "n1".into(),
+            hostname: "h".into(),
+            pid: 1,
+            version: "t".into(),
+        })
+        .await
+        .unwrap();
+    db.store.set_wants_nudge("n1", true).await.unwrap();
+    NudgeListener::connect(&db.url).await.unwrap()
+}
+
 #[tokio::test]
 async fn rolled_back_event_leaves_no_row_and_no_sequence_hole() {
     let db = TestDb::new().await;
@@ -278,17 +293,7 @@ async fn writers_of_different_aggregates_do_not_wait_on_each_other() {
 async fn plain_sql_insert_gets_the_same_sequence_partition_and_nudge() {
     let db = TestDb::new().await;
     let p = Producer::default();
-    db.store
-        .register_node(&NodeInfo {
-            node_id: "n1".into(),
-            hostname: "h".into(),
-            pid: 1,
-            version: "t".into(),
-        })
-        .await
-        .unwrap();
-    db.store.set_wants_nudge("n1", true).await.unwrap();
-    let mut listener = NudgeListener::connect(&db.url).await.unwrap();
+    let mut listener = nudged_node(&db).await;
 
     let txn = db.store.connection().begin().await.unwrap();
     let first = p.enqueue(&txn, &paid("o-9")).await.unwrap();
@@ -804,17 +809,7 @@ async fn the_lean_insert_migration_reverts_and_reapplies() {
         .position(|n| n == "m20261202_000007_lean_insert")
         .unwrap();
     let steps = u32::try_from(names.len() - at).unwrap();
-    db.store
-        .register_node(&NodeInfo {
-            node_id: "n1".into(),
-            hostname: "h".into(),
-            pid: 1,
-            version: "t".into(),
-        })
-        .await
-        .unwrap();
-    db.store.set_wants_nudge("n1", true).await.unwrap();
-    let mut listener = NudgeListener::connect(&db.url).await.unwrap();
+    let mut listener = nudged_node(&db).await;
     let partition = scalar(&db, "SELECT outpost_partition_of('o', '1', 64)::int8").await;
     let partition = i32::try_from(partition).unwrap();
     let triggers = "SELECT count(*) FROM pg_trigger \
@@ -865,17 +860,7 @@ async fn the_lean_insert_migration_reverts_and_reapplies() {
 async fn one_statement_for_many_events_sequences_holds_and_nudges_like_the_trigger() {
     let db = TestDb::new().await;
     let p = Producer::default();
-    db.store
-        .register_node(&NodeInfo {
-            node_id: "n1".into(),
-            hostname: "h".into(),
-            pid: 1,
-            version: "t".into(),
-        })
-        .await
-        .unwrap();
-    db.store.set_wants_nudge("n1", true).await.unwrap();
-    let mut listener = NudgeListener::connect(&db.url).await.unwrap();
+    let mut listener = nudged_node(&db).await;
     // o-0 exists and is held back (its earlier event waits for a retry); the others are new.
     let txn = db.store.connection().begin().await.unwrap();
     p.enqueue(&txn, &paid("o-0")).await.unwrap();

@@ -87,25 +87,7 @@ pub(super) fn insert_sql(table: &str, rows: usize) -> String {
         " (event_id, aggregate_type, aggregate_id, aggregate_version, \
          event_type, schema_version, occurred_at, payload, headers, destination) VALUES ",
     );
-    for i in 0..rows {
-        if i > 0 {
-            sql.push(',');
-        }
-        let b = i * COLUMNS;
-        sql.push_str(&format!(
-            "(${},${},${},${},${},${},${},${}::jsonb,${}::jsonb,${})",
-            b + 1,
-            b + 2,
-            b + 3,
-            b + 4,
-            b + 5,
-            b + 6,
-            b + 7,
-            b + 8,
-            b + 9,
-            b + 10
-        ));
-    }
+    push_rows(&mut sql, rows, false, &PLAIN_CASTS);
     sql.push_str(" RETURNING id, event_id, aggregate_seq, partition, txid, status");
     sql
 }
@@ -124,28 +106,46 @@ fn insert_many_sql(rows: usize) -> String {
         "WITH e (ord, event_id, aggregate_type, aggregate_id, aggregate_version, event_type, \
          schema_version, occurred_at, payload, headers, destination) AS (VALUES ",
     );
-    for i in 0..rows {
-        if i > 0 {
-            sql.push(',');
-        }
-        let b = i * COLUMNS;
-        sql.push_str(&format!(
-            "({i},${}::uuid,${}::text,${}::text,${}::int8,${}::text,${}::text,${}::timestamptz,\
-             ${}::jsonb,${}::jsonb,${}::text)",
-            b + 1,
-            b + 2,
-            b + 3,
-            b + 4,
-            b + 5,
-            b + 6,
-            b + 7,
-            b + 8,
-            b + 9,
-            b + 10
-        ));
-    }
+    push_rows(&mut sql, rows, true, &TYPED_CASTS);
     sql.push_str(INSERT_MANY_TAIL);
     sql
+}
+
+/// The casts of the bind values in a plain `VALUES` list (PostgreSQL infers the other types from
+/// the target columns) and in the typed one of [`insert_many_sql`], in [`insert_values`] order.
+const PLAIN_CASTS: [&str; COLUMNS] = ["", "", "", "", "", "", "", "::jsonb", "::jsonb", ""];
+const TYPED_CASTS: [&str; COLUMNS] = [
+    "::uuid",
+    "::text",
+    "::text",
+    "::int8",
+    "::text",
+    "::text",
+    "::timestamptz",
+    "::jsonb",
+    "::jsonb",
+    "::text",
+];
+
+/// Appends `rows` rows of bind placeholders, `($1,…,$10),($11,…)`, each led by its index when
+/// `with_ord`.
+fn push_rows(sql: &mut String, rows: usize, with_ord: bool, casts: &[&str; COLUMNS]) {
+    for i in 0..rows {
+        sql.push_str(if i > 0 { ",(" } else { "(" });
+        if with_ord {
+            sql.push_str(&i.to_string());
+            sql.push(',');
+        }
+        for (c, cast) in casts.iter().enumerate() {
+            if c > 0 {
+                sql.push(',');
+            }
+            sql.push('$');
+            sql.push_str(&(i * COLUMNS + c + 1).to_string());
+            sql.push_str(cast);
+        }
+        sql.push(')');
+    }
 }
 
 const INSERT_MANY_TAIL: &str = "), \
@@ -243,4 +243,30 @@ fn insert_error(err: sea_orm::DbErr, rows: &[NewEventRow]) -> StoreError {
         };
     }
     StoreError::from_db(err)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{PLAIN_CASTS, TYPED_CASTS, push_rows};
+
+    #[test]
+    fn placeholders_number_the_bind_values_row_after_row() {
+        let mut plain = String::new();
+        push_rows(&mut plain, 2, false, &PLAIN_CASTS);
+        assert_eq!(
+            plain,
+            "($1,$2,$3,$4,$5,$6,$7,$8::jsonb,$9::jsonb,$10),\
+             ($11,$12,$13,$14,$15,$16,$17,$18::jsonb,$19::jsonb,$20)"
+        );
+        let mut typed = String::new();
+        push_rows(&mut typed, 2, true, &TYPED_CASTS);
+        assert!(typed.starts_with("(0,$1::uuid,$2::text,"), "{typed}");
+        assert!(
+            typed.ends_with(
+                ",(1,$11::uuid,$12::text,$13::text,$14::int8,$15::text,$16::text,\
+                                $17::timestamptz,$18::jsonb,$19::jsonb,$20::text)"
+            ),
+            "{typed}"
+        );
+    }
 }
