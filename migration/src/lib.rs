@@ -48,3 +48,10 @@ fn require_postgres(manager: &SchemaManager) -> Result<(), DbErr> {
         ))),
     }
 }
+
+/// Runs a migration's SQL, written for PostgreSQL, after [`require_postgres`].
+async fn execute_postgres(manager: &SchemaManager<'_>, sql: &str) -> Result<(), DbErr> {
+    require_postgres(manager)?;
+    manager.get_connection().execute_unprepared(sql).await?;
+    Ok(())
+}

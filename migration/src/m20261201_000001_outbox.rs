@@ -5,9 +5,8 @@
 //! partition, the writing transaction id, the delivery state and the wake-up nudge.
 
 use sea_orm_migration::prelude::*;
-use sea_orm_migration::sea_orm::ConnectionTrait;
 
-use crate::require_postgres;
+use crate::execute_postgres;
 
 /// Number of partitions created by this migration. Fixed for the life of a database: the
 /// partition of an aggregate is computed once, when its first event is written.
@@ -19,16 +18,15 @@ pub struct Migration;
 #[async_trait::async_trait]
 impl MigrationTrait for Migration {
     async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        require_postgres(manager)?;
-        let sql = UP.replace("{PARTITIONS}", &PARTITIONS.to_string());
-        manager.get_connection().execute_unprepared(&sql).await?;
-        Ok(())
+        execute_postgres(
+            manager,
+            &UP.replace("{PARTITIONS}", &PARTITIONS.to_string()),
+        )
+        .await
     }
 
     async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        require_postgres(manager)?;
-        manager.get_connection().execute_unprepared(DOWN).await?;
-        Ok(())
+        execute_postgres(manager, DOWN).await
     }
 }
 

@@ -8,9 +8,8 @@
 //! renewal of many leases could deadlock with a mark of several partitions.
 
 use sea_orm_migration::prelude::*;
-use sea_orm_migration::sea_orm::ConnectionTrait;
 
-use crate::require_postgres;
+use crate::execute_postgres;
 
 #[derive(Debug, DeriveMigrationName)]
 pub struct Migration;
@@ -18,25 +17,19 @@ pub struct Migration;
 #[async_trait::async_trait]
 impl MigrationTrait for Migration {
     async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        require_postgres(manager)?;
-        manager
-            .get_connection()
-            .execute_unprepared(
-                "ALTER TABLE outpost_partition \
-                 ADD CONSTRAINT outpost_partition_epoch_key UNIQUE (partition, epoch)",
-            )
-            .await?;
-        Ok(())
+        execute_postgres(
+            manager,
+            "ALTER TABLE outpost_partition \
+             ADD CONSTRAINT outpost_partition_epoch_key UNIQUE (partition, epoch)",
+        )
+        .await
     }
 
     async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        require_postgres(manager)?;
-        manager
-            .get_connection()
-            .execute_unprepared(
-                "ALTER TABLE outpost_partition DROP CONSTRAINT IF EXISTS outpost_partition_epoch_key",
-            )
-            .await?;
-        Ok(())
+        execute_postgres(
+            manager,
+            "ALTER TABLE outpost_partition DROP CONSTRAINT IF EXISTS outpost_partition_epoch_key",
+        )
+        .await
     }
 }

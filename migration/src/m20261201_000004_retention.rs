@@ -9,9 +9,8 @@
 //!   incarnation, bumped each time a data loss is recovered (its re-published window counted).
 
 use sea_orm_migration::prelude::*;
-use sea_orm_migration::sea_orm::ConnectionTrait;
 
-use crate::require_postgres;
+use crate::execute_postgres;
 
 #[derive(Debug, DeriveMigrationName)]
 pub struct Migration;
@@ -19,15 +18,11 @@ pub struct Migration;
 #[async_trait::async_trait]
 impl MigrationTrait for Migration {
     async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        require_postgres(manager)?;
-        manager.get_connection().execute_unprepared(UP).await?;
-        Ok(())
+        execute_postgres(manager, UP).await
     }
 
     async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        require_postgres(manager)?;
-        manager.get_connection().execute_unprepared(DOWN).await?;
-        Ok(())
+        execute_postgres(manager, DOWN).await
     }
 }
 

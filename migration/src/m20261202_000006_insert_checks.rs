@@ -19,9 +19,8 @@
 //! created them.
 
 use sea_orm_migration::prelude::*;
-use sea_orm_migration::sea_orm::ConnectionTrait;
 
-use crate::require_postgres;
+use crate::execute_postgres;
 
 #[derive(Debug, DeriveMigrationName)]
 pub struct Migration;
@@ -29,15 +28,11 @@ pub struct Migration;
 #[async_trait::async_trait]
 impl MigrationTrait for Migration {
     async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        require_postgres(manager)?;
-        manager.get_connection().execute_unprepared(UP).await?;
-        Ok(())
+        execute_postgres(manager, UP).await
     }
 
     async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        require_postgres(manager)?;
-        manager.get_connection().execute_unprepared(DOWN).await?;
-        Ok(())
+        execute_postgres(manager, DOWN).await
     }
 }
 

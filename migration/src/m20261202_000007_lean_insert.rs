@@ -36,11 +36,10 @@
 //! `down` restores the trigger of `000006` and the nudge trigger of `000001`.
 
 use sea_orm_migration::prelude::*;
-use sea_orm_migration::sea_orm::ConnectionTrait;
 
+use crate::execute_postgres;
 use crate::m20261201_000001_outbox::nudge_trigger;
 use crate::m20261202_000006_insert_checks::{row_rules, rules_trigger};
-use crate::require_postgres;
 
 #[derive(Debug, DeriveMigrationName)]
 pub struct Migration;
@@ -48,15 +47,11 @@ pub struct Migration;
 #[async_trait::async_trait]
 impl MigrationTrait for Migration {
     async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        require_postgres(manager)?;
-        manager.get_connection().execute_unprepared(UP).await?;
-        Ok(())
+        execute_postgres(manager, UP).await
     }
 
     async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        require_postgres(manager)?;
-        manager.get_connection().execute_unprepared(DOWN).await?;
-        Ok(())
+        execute_postgres(manager, DOWN).await
     }
 }
 
