@@ -50,10 +50,14 @@ async fn two_members_apply_each_event_once_in_order_despite_duplicates_and_repla
             }
         }
     }
-    // One aggregate's events arrive out of order (a replay put 2 before 1): 2 waits for 1.
-    entries.push(Ev::new("late", 2, "order.changed"));
-    entries.push(Ev::new("late", 1, "order.changed"));
-    let total = entries.len();
+    // One aggregate's events arrive out of order (a replay put 2 before 1): 2 waits for 1. They
+    // are appended after everything else, 1 only once a member holds 2, so 2 is read in a round
+    // of its own and must be held (two entries read in one round are simply sorted).
+    let late = [
+        Ev::new("late", 2, "order.changed"),
+        Ev::new("late", 1, "order.changed"),
+    ];
+    let total = entries.len() + late.len();
     assert!(total > AGGREGATES * EVENTS as usize + 100);
 
     let a = Running::start(
@@ -71,15 +75,26 @@ async fn two_members_apply_each_event_once_in_order_despite_duplicates_and_repla
     for chunk in entries.chunks(97) {
         append(&mut conn, &stream, chunk).await;
     }
+    wait_until(60, "every in-order event applied", || async {
+        applied(&db).await >= AGGREGATES as i64 * EVENTS
+    })
+    .await;
+    let all_acknowledged =
+        || async { pending(&mut redis.conn().await, &stream, "billing").await == 0 };
+    wait_until(30, "every entry acknowledged", all_acknowledged).await;
+    append(&mut conn, &stream, &late[..1]).await;
+    // Read and not acknowledged: a member holds it (only 1 would let it apply).
+    wait_until(30, "the out-of-order event read", || async {
+        pending(&mut redis.conn().await, &stream, "billing").await == 1
+    })
+    .await;
+    append(&mut conn, &stream, &late[1..]).await;
     let want = AGGREGATES as i64 * EVENTS + 2;
     wait_until(60, "every event applied", || async {
         applied(&db).await >= want
     })
     .await;
-    wait_until(30, "every entry acknowledged", || async {
-        pending(&mut redis.conn().await, &stream, "billing").await == 0
-    })
-    .await;
+    wait_until(30, "every entry acknowledged", all_acknowledged).await;
     let (sa, sb) = (a.stop().await, b.stop().await);
 
     let mut want_map = expected(AGGREGATES, EVENTS);
