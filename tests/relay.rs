@@ -352,7 +352,7 @@ async fn a_missed_nudge_waits_for_the_scheduled_poll() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn with_a_long_poll_interval_the_nudge_delivers() {
+async fn with_a_long_heartbeat_the_nudge_delivers() {
     let db = TestDb::new().await;
     let redis = TestRedis::new();
     let config = support::relay_config_for(
@@ -360,7 +360,6 @@ async fn with_a_long_poll_interval_the_nudge_delivers() {
         &redis,
         "nudge-node",
         &[
-            ("relay.poll_interval_ms", "60000"),
             ("relay.idle_after_ms", "50"),
             ("node.heartbeat_ms", "20000"),
             ("node.lease_ms", "60000"),

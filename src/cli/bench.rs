@@ -91,6 +91,11 @@ async fn producer(config: &Config, args: ProducerBench) -> anyhow::Result<()> {
     store::migrate_up(&store).await?;
     store.create_plain_table().await?;
     let producer = Producer::new(Limits::default());
+    let policy = WakePolicy {
+        busy_poll: config.relay.busy_poll(),
+        idle_after: config.relay.idle_after(),
+    };
+    let heartbeat = config.node.heartbeat();
 
     println!(
         "producer commit throughput, {} writers, {} aggregates, {}-byte payloads",
@@ -136,8 +141,14 @@ async fn producer(config: &Config, args: ProducerBench) -> anyhow::Result<()> {
                     }
                     Some(mode) => {
                         let stop = Arc::new(AtomicBool::new(false));
-                        let handle =
-                            tokio::spawn(listen(url.clone(), store.clone(), *mode, stop.clone()));
+                        let handle = tokio::spawn(listen(
+                            url.clone(),
+                            store.clone(),
+                            *mode,
+                            policy,
+                            heartbeat,
+                            stop.clone(),
+                        ));
                         let r = run_load(
                             &store,
                             &producer,
@@ -183,11 +194,14 @@ fn print_row(tx_size: u32, label: &str, r: &LoadReport, baseline: &LoadReport, n
 }
 
 /// A listening node for the duration of a run: registers, LISTENs, and drives `wants_nudge` as
-/// the relay does. Returns the number of nudges received.
+/// the relay does with `policy` (idle, it looks for new rows every `node.heartbeat_ms`, as the
+/// relay's heartbeat does). Returns the number of nudges received.
 async fn listen(
     url: String,
     store: Store,
     mode: Listener,
+    policy: WakePolicy,
+    heartbeat: Duration,
     stop: Arc<AtomicBool>,
 ) -> anyhow::Result<u64> {
     let node = NodeInfo {
@@ -199,18 +213,13 @@ async fn listen(
     store.register_node(&node).await?;
     let mut listener = NudgeListener::connect(&url).await?;
     let mut high_water = store.outbox_high_water().await?;
-    let policy = WakePolicy {
-        busy_poll: Duration::from_millis(2),
-        idle_after: Duration::from_millis(200),
-        poll_interval: Duration::from_millis(500),
-    };
     let mut wake = Wakeup::new(policy, Instant::now());
     if mode == Listener::AlwaysNudge {
         store.set_wants_nudge(&node.node_id, true).await?;
     }
     let mut nudges = 0u64;
     while !stop.load(Ordering::Relaxed) {
-        let wait = wake.next_wait();
+        let wait = wake.next_wait().unwrap_or(heartbeat);
         let action = tokio::select! {
             n = listener.recv() => {
                 if matches!(n?, Nudge::Partitions(_)) { nudges += 1; }

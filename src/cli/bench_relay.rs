@@ -211,13 +211,12 @@ impl Bench<'_> {
         );
         println!(
             "node:     in this process; relay.workers {} (effective {}), batch_rows {}, \
-             busy_poll_ms {}, idle_after_ms {}, poll_interval_ms {}, database.pool_size {}",
+             busy_poll_ms {}, idle_after_ms {}, database.pool_size {}",
             cfg.relay.workers,
             cfg.relay.effective_workers(),
             cfg.relay.batch_rows,
             cfg.relay.busy_poll_ms,
             cfg.relay.idle_after_ms,
-            cfg.relay.poll_interval_ms,
             cfg.database.pool_size
         );
         println!(

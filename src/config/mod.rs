@@ -305,11 +305,8 @@ pub struct RelayConfig {
     pub max_in_flight: u32,
     /// Publishing workers; 0 means the number of cores. 0..=64.
     pub workers: u32,
-    /// Longest pause between two polls of a busy node, in milliseconds, 10..=60000 (the back-off
-    /// stops earlier, at 8 × `busy_poll_ms`, when that is lower). An idle node's scheduled poll is
-    /// its heartbeat.
-    pub poll_interval_ms: u64,
-    /// Poll interval while the node is busy, in milliseconds, 1..=1000.
+    /// Poll interval while the node is busy, in milliseconds, 1..=1000. An idle node's scheduled
+    /// poll is its heartbeat.
     pub busy_poll_ms: u64,
     /// Time without work before asking producers for a nudge, ms, 1..=60000.
     pub idle_after_ms: u64,
@@ -334,9 +331,8 @@ impl Default for RelayConfig {
             batch_bytes: 4_194_304,
             max_in_flight: 4,
             workers: 0,
-            poll_interval_ms: 1000,
             busy_poll_ms: 2,
-            idle_after_ms: 200,
+            idle_after_ms: 20,
             max_attempts: 10,
             backoff_base_ms: 500,
             backoff_max_ms: 300_000,
@@ -354,11 +350,6 @@ impl RelayConfig {
             0 => std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get),
             n => n as usize,
         }
-    }
-
-    /// `poll_interval_ms` as a [`Duration`].
-    pub fn poll_interval(&self) -> Duration {
-        Duration::from_millis(self.poll_interval_ms)
     }
 
     /// `busy_poll_ms` as a [`Duration`].

@@ -123,7 +123,6 @@ pub(crate) const FIELDS: &[Field] = &[
     uint("relay", "batch_bytes", 1024, 67_108_864, "bytes"),
     uint("relay", "max_in_flight", 1, 256, "batches per worker"),
     uint("relay", "workers", 0, 64, "workers, 0 = number of cores"),
-    uint("relay", "poll_interval_ms", 10, 60_000, MS),
     uint("relay", "busy_poll_ms", 1, 1000, MS),
     uint("relay", "idle_after_ms", 1, 60_000, MS),
     uint("relay", "max_attempts", 1, 1000, "attempts"),

@@ -494,15 +494,21 @@ impl Worker {
     /// Runs one batch for `lease` alone, with a full batch's limits: for a partition with a
     /// backlog, whose batches are large enough on their own.
     pub async fn run_alone(&self, lease: LeaseRef) -> Outcome {
-        let _permit = self
-            .slots
-            .acquire()
-            .await
-            .map_err(|_| BatchError::Transient("the worker is shutting down".to_owned()))?;
-        run_group(self, std::slice::from_ref(&lease))
+        self.run_together(std::slice::from_ref(&lease))
             .await
             .pop()
             .unwrap_or(Ok(BatchOutcome::Idle))
+    }
+
+    /// Runs one group batch for `leases` in a batch slot of this worker: the supervisor's busy
+    /// poll, whose claim over the idle partitions is the poll itself. Results in the order of
+    /// `leases`.
+    pub async fn run_together(&self, leases: &[LeaseRef]) -> Vec<Outcome> {
+        let Ok(_permit) = self.slots.acquire().await else {
+            let e = BatchError::Transient("the worker is shutting down".to_owned());
+            return leases.iter().map(|_| Err(e.clone())).collect();
+        };
+        run_group(self, leases).await
     }
 }
 

@@ -294,7 +294,6 @@ async fn boot(config: Config) -> Result<Booted, NodeError> {
         wake: WakePolicy {
             busy_poll: config.relay.busy_poll(),
             idle_after: config.relay.idle_after(),
-            poll_interval: config.relay.poll_interval(),
         },
         transient_backoff: (
             Duration::from_millis(100),

@@ -21,10 +21,11 @@ use super::batch::{BatchError, BatchOutcome, Worker};
 use crate::metrics as m;
 use crate::store::LeaseRef;
 
-/// Wake up: there may be rows to publish.
+/// Wake up: there may be rows to publish. Numbered by the supervisor, one after the other per
+/// partition, so that it can tell an idle report sent before a wake-up from one sent after.
 #[derive(Debug, Message)]
 #[rtype(result = "()")]
-pub struct Wake;
+pub struct Wake(pub u64);
 
 /// Finish the batch in flight, then report [`PartitionReport::Stopped`].
 #[derive(Debug, Message)]
@@ -35,8 +36,10 @@ pub struct Stop;
 #[derive(Debug, Clone, Message)]
 #[rtype(result = "()")]
 pub enum PartitionReport {
-    /// Drained: nothing ready right now.
-    Idle(i32),
+    /// Drained: nothing ready right now, and no batch runs until the next wake-up. With the
+    /// number of the last [`Wake`] received: a report crossing a later wake-up is stale (the
+    /// actor has started another batch meanwhile).
+    Idle(i32, u64),
     /// Stopped at the supervisor's request; its batch is finished or abandoned.
     Stopped(i32),
     /// The lease is gone; the actor has stopped working.
@@ -58,6 +61,8 @@ pub struct PartitionActor {
     /// Counts restarts after panics (shared with the supervisor, for tests and status).
     restarts: Arc<AtomicU64>,
     running: bool,
+    /// The number of the last wake-up received.
+    last_wake: u64,
     /// The last batch was full: the partition has a backlog, so batches run alone at full size
     /// instead of joining a group.
     backlog: bool,
@@ -99,6 +104,7 @@ impl PartitionActor {
             transient_max: transient.1,
             restarts,
             running: false,
+            last_wake: 0,
             backlog: false,
             backing_off: false,
             again: false,
@@ -144,11 +150,7 @@ impl PartitionActor {
         let p = self.lease.partition;
         match res {
             Err(panic) => {
-                let what = panic
-                    .downcast_ref::<&str>()
-                    .map(|s| (*s).to_owned())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_default();
+                let what = panic_message(panic.as_ref());
                 tracing::error!(partition = p, panic = %what, "partition actor panicked; restarting");
                 self.restarts.fetch_add(1, Ordering::Relaxed);
                 self.panics = self.panics.saturating_add(1);
@@ -166,7 +168,8 @@ impl PartitionActor {
                     // A full batch, or a wake-up during the batch: more rows may be ready.
                     self.next_batch(ctx);
                 } else {
-                    self.report.do_send(PartitionReport::Idle(p));
+                    self.report
+                        .do_send(PartitionReport::Idle(p, self.last_wake));
                 }
             }
             Ok(Err(BatchError::LeaseLost(why))) => {
@@ -210,6 +213,15 @@ impl PartitionActor {
     }
 }
 
+/// What a caught panic said, when it said it with a string.
+pub(super) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_default()
+}
+
 impl Actor for PartitionActor {
     type Context = Context<Self>;
 
@@ -245,7 +257,8 @@ impl Supervised for PartitionActor {
 impl Handler<Wake> for PartitionActor {
     type Result = ();
 
-    fn handle(&mut self, _: Wake, ctx: &mut Context<Self>) {
+    fn handle(&mut self, wake: Wake, ctx: &mut Context<Self>) {
+        self.last_wake = wake.0;
         if self.running {
             self.again = true;
         } else if !self.backing_off {

@@ -8,25 +8,29 @@
 //!   A lease missing from the renewal was taken over: its actor is dropped at once (anything it
 //!   still tries is fenced). Publishing also stops locally when renewals fail for longer than
 //!   the lease minus a margin ([`LeaseDeadline`](super::batch::LeaseDeadline)).
-//! - **Wake-ups.** See [`super::wakeup`]: busy polls for ready partitions among the idle ones,
-//!   nudges from producers while idle, and the heartbeat tick, which also reports which held
-//!   partitions have ready rows, as the scheduled poll for missed nudges. An idle node therefore
-//!   runs one statement per heartbeat.
+//! - **Wake-ups.** See [`super::wakeup`]: busy polls, each a batch over the idle partitions
+//!   (their actors take over a partition that turns out to have a backlog); nudges from
+//!   producers while idle; and the heartbeat tick, which also reports which held partitions have
+//!   ready rows, as the scheduled poll for missed nudges. An idle node therefore runs one
+//!   statement per heartbeat. A partition's batches never overlap: see [`Slot::polling`] and
+//!   [`Slot::woken`].
 //! - **Shutdown.** Stop polling, ask every actor to stop after its batch, release every lease
 //!   (the next owner starts at once), deregister; partitions whose batch does not finish by the
 //!   deadline are released anyway — their late publishes are fenced.
 
 use std::collections::BTreeMap;
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
+use futures::FutureExt;
 use metrics::{counter, gauge};
 use tokio::sync::oneshot;
 
-use super::batch::{Shared, Worker};
-use super::partition::{PartitionActor, PartitionReport, Stop, Wake};
+use super::batch::{BatchError, BatchOutcome, Shared, Worker};
+use super::partition::{PartitionActor, PartitionReport, Stop, Wake, panic_message};
 use super::wakeup::{Action, WakePolicy, Wakeup};
 use crate::metrics as m;
 use crate::publish::{PersistenceConfig, Publisher, ServerFacts};
@@ -124,6 +128,12 @@ struct Slot {
     lease: Lease,
     addr: Option<Addr<PartitionActor>>,
     state: SlotState,
+    /// The busy poll's batch covers this (idle) partition right now: its actor must not run a
+    /// batch of its own, nor be stopped (its lease released) before the poll's batch is done.
+    polling: bool,
+    /// Wake-ups sent to the actor; `Idle` means no batch of the actor runs only when its report
+    /// names the last of them (the busy poll relies on that).
+    woken: u64,
 }
 
 /// Ask the supervisor to shut down gracefully; `done` fires when it has.
@@ -144,6 +154,14 @@ pub struct OwnedPartitions;
 #[rtype(result = "()")]
 struct Nudged(Nudge);
 
+/// The busy poll's batch is done: each lease with how its share ended.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+struct Polled {
+    leases: Vec<LeaseRef>,
+    outcomes: Vec<Result<BatchOutcome, BatchError>>,
+}
+
 /// The node supervisor actor.
 pub struct NodeSupervisor {
     settings: SupervisorSettings,
@@ -157,7 +175,13 @@ pub struct NodeSupervisor {
     health: Arc<Health>,
     restarts: Arc<AtomicU64>,
     ticking: bool,
+    /// A busy poll is under way (one at a time).
     polling: bool,
+    /// Which worker runs the next busy poll's batch.
+    poll_turn: usize,
+    /// When the busy poll under way started: the next one is due a pause after that start, not
+    /// after its end, so a batch's own time does not add to what a new event waits.
+    poll_started: Instant,
     shutdown: Option<oneshot::Sender<()>>,
     to_release: Vec<Lease>,
     worked_since_backlog: bool,
@@ -205,6 +229,8 @@ impl NodeSupervisor {
             restarts,
             ticking: false,
             polling: false,
+            poll_turn: 0,
+            poll_started: Instant::now(),
             shutdown: None,
             to_release: Vec::new(),
             // Refresh the backlog gauges at the first tick, then every `BACKLOG_EVERY`.
@@ -235,6 +261,8 @@ impl NodeSupervisor {
                     lease,
                     addr: None,
                     state: SlotState::Paused,
+                    polling: false,
+                    woken: 0,
                 },
             );
             return;
@@ -255,6 +283,8 @@ impl NodeSupervisor {
                 lease,
                 addr: Some(addr),
                 state: SlotState::Busy,
+                polling: false,
+                woken: 0,
             },
         );
     }
@@ -267,7 +297,12 @@ impl NodeSupervisor {
         match (&slot.addr, slot.state) {
             (_, SlotState::Stopping { .. }) => slot.state = SlotState::Stopping { release },
             (Some(addr), _) => {
-                addr.do_send(Stop);
+                // While the busy poll's batch covers the partition, the stop waits for it
+                // ([`Polled`]): a lease released under a batch in flight would let the next
+                // owner publish the same rows again.
+                if !slot.polling {
+                    addr.do_send(Stop);
+                }
                 slot.state = SlotState::Stopping { release };
             }
             (None, _) => {
@@ -355,8 +390,9 @@ impl NodeSupervisor {
             }
             let action = self.wake.polled(true, Instant::now());
             self.apply(action, ctx);
-            let wait = self.wake.next_wait();
-            self.schedule_poll(ctx, wait);
+            if let Some(wait) = self.wake.next_wait() {
+                self.schedule_poll(ctx, wait);
+            }
         }
         // Fair share: ⌊partitions / live⌋, one more for the first `partitions mod live` nodes by
         // id, so shares differ by at most one.
@@ -584,48 +620,138 @@ impl NodeSupervisor {
         }));
     }
 
+    /// The busy poll: one batch over every idle partition, run by one worker (in turn), whose
+    /// claim is the poll. Under a steady flow it finds an event or two in a few partitions and
+    /// publishes and marks them at once, without a query to find them first or a wake-up of
+    /// their actors; a partition whose share of the batch came back full has a backlog, and its
+    /// actor takes over ([`Polled`]).
     fn poll(&mut self, ctx: &mut Context<Self>) {
         if self.polling || self.shutting_down() {
             return;
         }
-        let idle: Vec<i32> = self
+        let node = &self.settings.node_id;
+        let idle: Vec<LeaseRef> = self
             .slots
-            .iter()
-            .filter(|(_, s)| s.state == SlotState::Idle)
-            .map(|(p, _)| *p)
+            .values_mut()
+            .filter(|s| s.state == SlotState::Idle && s.addr.is_some() && !s.polling)
+            .map(|s| {
+                s.polling = true;
+                LeaseRef {
+                    partition: s.lease.partition,
+                    node_id: node.clone(),
+                    epoch: s.lease.epoch,
+                }
+            })
             .collect();
-        let busy = self.slots.values().any(|s| s.state == SlotState::Busy);
+        if idle.is_empty() {
+            let busy = self.slots.values().any(|s| s.state == SlotState::Busy);
+            self.after_poll(busy, Duration::ZERO, ctx);
+            return;
+        }
+        self.poll_turn = self.poll_turn.wrapping_add(1);
+        let Some((arbiter, worker)) = self
+            .workers
+            .get(self.poll_turn % self.workers.len().max(1))
+            .cloned()
+        else {
+            return;
+        };
         self.polling = true;
-        let store = self.store.clone();
-        ctx.spawn(
-            async move { store.ready_partitions(&idle).await }
-                .into_actor(self)
-                .map(move |res, act, ctx| {
-                    act.polling = false;
-                    let ready = res.unwrap_or_else(|e| {
-                        tracing::warn!(error = %e, "polling for ready partitions failed");
-                        Vec::new()
-                    });
-                    for p in &ready {
-                        act.wake_partition(*p);
+        self.poll_started = Instant::now();
+        let me = ctx.address();
+        let leases = idle.clone();
+        let job = async move {
+            let outcomes = match AssertUnwindSafe(worker.run_together(&leases))
+                .catch_unwind()
+                .await
+            {
+                Ok(outcomes) => outcomes,
+                Err(panic) => {
+                    let what = panic_message(panic.as_ref());
+                    tracing::error!(panic = %what, "the busy poll's batch panicked; the partitions' actors take over");
+                    let e = BatchError::Transient(format!("the batch panicked: {what}"));
+                    leases.iter().map(|_| Err(e.clone())).collect()
+                }
+            };
+            me.do_send(Polled { leases, outcomes });
+        };
+        if !arbiter.spawn(job) {
+            // The worker's arbiter is gone (the node is stopping): nothing ran.
+            let outcomes = idle
+                .iter()
+                .map(|_| Err(BatchError::Transient("the worker is gone".to_owned())))
+                .collect();
+            self.on_polled(
+                Polled {
+                    leases: idle,
+                    outcomes,
+                },
+                ctx,
+            );
+        }
+    }
+
+    /// The busy poll's batch is done: partitions go back to idle, or to their actors when their
+    /// share came back full (a backlog) or failed (the actor retries, backs off or reports a lost
+    /// lease as it does for its own batches); a stop asked for meanwhile is passed on.
+    fn on_polled(&mut self, msg: Polled, ctx: &mut Context<Self>) {
+        self.polling = false;
+        let mut found = false;
+        let mut wake = Vec::new();
+        for (lease, outcome) in msg.leases.iter().zip(msg.outcomes) {
+            let Some(slot) = self.slots.get_mut(&lease.partition) else {
+                continue;
+            };
+            if slot.lease.epoch != lease.epoch || !slot.polling {
+                continue;
+            }
+            slot.polling = false;
+            match outcome {
+                Ok(BatchOutcome::Idle) => {}
+                Ok(BatchOutcome::Done { full, .. }) => {
+                    found = true;
+                    if full {
+                        wake.push(lease.partition);
                     }
-                    let action = act.wake.polled(busy || !ready.is_empty(), Instant::now());
-                    act.apply(action, ctx);
-                    // Idle: no polling timer; the heartbeat tick is the scheduled poll, and a
-                    // nudge ends the idleness.
-                    if !act.wake.is_idle() {
-                        let wait = act.wake.next_wait();
-                        act.schedule_poll(ctx, wait);
-                    }
-                }),
-        );
+                }
+                Err(e) => {
+                    tracing::debug!(partition = lease.partition, error = %e, "the busy poll's batch failed; the actor takes over");
+                    wake.push(lease.partition);
+                }
+            }
+            if let (SlotState::Stopping { .. }, Some(addr)) = (slot.state, &slot.addr) {
+                addr.do_send(Stop);
+            }
+        }
+        if found {
+            self.worked_since_backlog = true;
+        }
+        for p in wake {
+            self.wake_partition(p);
+        }
+        let busy = self.slots.values().any(|s| s.state == SlotState::Busy);
+        let took = self.poll_started.elapsed();
+        self.after_poll(found || busy, took, ctx);
+    }
+
+    /// Records a poll's outcome in the wake-up state and schedules the next poll, a pause after
+    /// the start of this one (`took` ago). Idle: no polling timer; the heartbeat tick is the
+    /// scheduled poll, and a nudge ends the idleness.
+    fn after_poll(&mut self, found_work: bool, took: Duration, ctx: &mut Context<Self>) {
+        let action = self.wake.polled(found_work, Instant::now());
+        self.apply(action, ctx);
+        if let Some(wait) = self.wake.next_wait() {
+            self.schedule_poll(ctx, wait.saturating_sub(took));
+        }
     }
 
     fn wake_partition(&mut self, p: i32) {
         if let Some(slot) = self.slots.get_mut(&p)
+            && !slot.polling
             && let (Some(addr), SlotState::Idle | SlotState::Busy) = (&slot.addr, slot.state)
         {
-            addr.do_send(Wake);
+            slot.woken += 1;
+            addr.do_send(Wake(slot.woken));
             slot.state = SlotState::Busy;
             self.worked_since_backlog = true;
         }
@@ -807,9 +933,10 @@ impl Handler<PartitionReport> for NodeSupervisor {
 
     fn handle(&mut self, report: PartitionReport, ctx: &mut Context<Self>) {
         match report {
-            PartitionReport::Idle(p) => {
+            PartitionReport::Idle(p, wake) => {
                 if let Some(slot) = self.slots.get_mut(&p)
                     && slot.state == SlotState::Busy
+                    && slot.woken == wake
                 {
                     slot.state = SlotState::Idle;
                 }
@@ -838,6 +965,14 @@ impl Handler<PartitionReport> for NodeSupervisor {
     }
 }
 
+impl Handler<Polled> for NodeSupervisor {
+    type Result = ();
+
+    fn handle(&mut self, msg: Polled, ctx: &mut Context<Self>) {
+        self.on_polled(msg, ctx);
+    }
+}
+
 impl Handler<Nudged> for NodeSupervisor {
     type Result = ();
 
@@ -853,8 +988,9 @@ impl Handler<Nudged> for NodeSupervisor {
                 }
                 let action = self.wake.nudged(Instant::now());
                 self.apply(action, ctx);
-                let wait = self.wake.next_wait();
-                self.schedule_poll(ctx, wait);
+                if let Some(wait) = self.wake.next_wait() {
+                    self.schedule_poll(ctx, wait);
+                }
             }
             Nudge::MaybeMissed => self.schedule_poll(ctx, Duration::ZERO),
         }

@@ -1,14 +1,11 @@
 //! When to poll and when to ask producers for a nudge.
 //!
 //! One NOTIFY per committing transaction serialises producers' commits, so a node only asks for
-//! nudges when it has been idle for a while. The protocol:
+//! nudges when it has found no work for a while. The protocol:
 //!
-//! - **Busy**: the node polls for ready partitions. The pause between polls starts at
-//!   `busy_poll` and doubles after every empty poll, up to [`BUSY_CEILING`] × `busy_poll` (and
-//!   never past `poll_interval`); any work found resets it. Producers pay nothing, so while busy
-//!   the pause is what a new event waits for: the ceiling keeps that wait short under a sparse
-//!   flow (commits tens of milliseconds apart never let the node go idle), at the cost of a few
-//!   more empty polls before idling.
+//! - **Busy**: the node polls for ready rows every `busy_poll` (the supervisor counts the pause
+//!   from the start of the previous poll). Producers pay nothing; the pause is what a new event
+//!   waits for.
 //! - When polls have found nothing for `idle_after`, the node **enters idle**: it sets
 //!   `wants_nudge` (producers start to NOTIFY), then polls once more, so a commit that landed
 //!   before the flag was visible is not missed.
@@ -16,28 +13,21 @@
 //!   tick; a missed nudge only waits for it). A nudge or a poll that finds work makes it
 //!   **leave idle**: it clears `wants_nudge` and is busy again.
 //!
-//! The state machine is pure: the caller performs the [`Action`]s.
+//! Under a dense flow the node stays busy and producers never notify; under a sparse one (gaps
+//! longer than `idle_after` between events) each event is nudged, which costs producers nothing
+//! measurable at such rates and reaches the node sooner than a poll would. The state machine is
+//! pure: the caller performs the [`Action`]s.
 
 use std::time::{Duration, Instant};
 
 /// Timing of the wake-up protocol.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct WakePolicy {
-    /// First pause between polls while busy (`relay.busy_poll_ms`).
+    /// Pause between polls while busy (`relay.busy_poll_ms`).
     pub busy_poll: Duration,
     /// How long without work before asking for nudges (`relay.idle_after_ms`).
     pub idle_after: Duration,
-    /// Ceiling of the busy back-off when lower than [`BUSY_CEILING`] × `busy_poll`
-    /// (`relay.poll_interval_ms`); while idle, [`Wakeup::next_wait`] returns it, for callers
-    /// without a scheduled poll of their own.
-    pub poll_interval: Duration,
 }
-
-/// The busy back-off stops growing at this multiple of `busy_poll` (16 ms with the default
-/// 2 ms). Without it the pause could double up to `poll_interval` (1 s by default) in the gaps
-/// of a sparse flow; at 2,000 events/s in transactions of 10 (`docs/benchmarks.md`) p99 was
-/// 12–59 ms and the slowest event 33–137 ms, against 10 and 20 ms with it.
-pub const BUSY_CEILING: u32 = 8;
 
 /// What the caller must do after an observation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,10 +42,7 @@ pub enum Action {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Mode {
-    Busy {
-        since_work: Instant,
-        pause: Duration,
-    },
+    Busy { since_work: Instant },
     Idle,
 }
 
@@ -71,10 +58,7 @@ impl Wakeup {
     pub fn new(policy: WakePolicy, now: Instant) -> Self {
         Self {
             policy,
-            mode: Mode::Busy {
-                since_work: now,
-                pause: policy.busy_poll,
-            },
+            mode: Mode::Busy { since_work: now },
         }
     }
 
@@ -87,23 +71,19 @@ impl Wakeup {
     pub fn polled(&mut self, found_work: bool, now: Instant) -> Action {
         match (self.mode, found_work) {
             (Mode::Busy { .. }, true) => {
-                self.mode = self.busy(now);
+                self.mode = Mode::Busy { since_work: now };
                 Action::None
             }
-            (Mode::Busy { since_work, pause }, false) => {
+            (Mode::Busy { since_work }, false) => {
                 if now.saturating_duration_since(since_work) >= self.policy.idle_after {
                     self.mode = Mode::Idle;
                     Action::AskForNudges
                 } else {
-                    self.mode = Mode::Busy {
-                        since_work,
-                        pause: (pause * 2).min(self.busy_ceiling()),
-                    };
                     Action::None
                 }
             }
             (Mode::Idle, true) => {
-                self.mode = self.busy(now);
+                self.mode = Mode::Busy { since_work: now };
                 Action::StopNudges
             }
             (Mode::Idle, false) => Action::None,
@@ -112,36 +92,21 @@ impl Wakeup {
 
     /// Records a nudge from a producer.
     pub fn nudged(&mut self, now: Instant) -> Action {
-        match self.mode {
-            Mode::Idle => {
-                self.mode = self.busy(now);
-                Action::StopNudges
-            }
-            Mode::Busy { .. } => {
-                self.mode = self.busy(now);
-                Action::None
-            }
+        let was_idle = self.is_idle();
+        self.mode = Mode::Busy { since_work: now };
+        if was_idle {
+            Action::StopNudges
+        } else {
+            Action::None
         }
     }
 
-    /// How long to wait before the next poll (a nudge may end the wait early).
-    pub fn next_wait(&self) -> Duration {
+    /// How long to wait before the next poll: `busy_poll` while busy; `None` while idle, when
+    /// only a nudge or the caller's scheduled poll ends the wait.
+    pub fn next_wait(&self) -> Option<Duration> {
         match self.mode {
-            Mode::Busy { pause, .. } => pause,
-            Mode::Idle => self.policy.poll_interval,
-        }
-    }
-
-    fn busy_ceiling(&self) -> Duration {
-        (self.policy.busy_poll * BUSY_CEILING)
-            .min(self.policy.poll_interval)
-            .max(self.policy.busy_poll)
-    }
-
-    fn busy(&self, now: Instant) -> Mode {
-        Mode::Busy {
-            since_work: now,
-            pause: self.policy.busy_poll,
+            Mode::Busy { .. } => Some(self.policy.busy_poll),
+            Mode::Idle => None,
         }
     }
 }
@@ -153,8 +118,7 @@ mod tests {
     fn policy() -> WakePolicy {
         WakePolicy {
             busy_poll: Duration::from_millis(2),
-            idle_after: Duration::from_millis(200),
-            poll_interval: Duration::from_millis(500),
+            idle_after: Duration::from_millis(20),
         }
     }
 
@@ -165,33 +129,37 @@ mod tests {
         for i in 0..10_000u64 {
             let now = t0 + Duration::from_millis(i * 2);
             assert_eq!(w.polled(true, now), Action::None);
-            assert_eq!(w.next_wait(), Duration::from_millis(2));
+            assert_eq!(w.next_wait(), Some(Duration::from_millis(2)));
         }
         assert!(!w.is_idle());
     }
 
     #[test]
-    fn empty_polls_back_off_then_go_idle_once() {
+    fn empty_polls_keep_the_pace_then_go_idle_once() {
         let t0 = Instant::now();
         let mut w = Wakeup::new(policy(), t0);
         let mut now = t0;
-        let mut waits = Vec::new();
-        let mut asked = 0;
-        for _ in 0..20 {
-            now += w.next_wait();
-            waits.push(w.next_wait());
+        let mut asked = Vec::new();
+        for i in 0..30 {
+            let Some(wait) = w.next_wait() else { break };
+            assert_eq!(wait, Duration::from_millis(2), "poll {i}");
+            now += wait;
             if w.polled(false, now) == Action::AskForNudges {
-                asked += 1;
+                asked.push(now - t0);
             }
         }
-        assert_eq!(asked, 1, "asks for nudges exactly once");
+        assert_eq!(
+            asked,
+            [Duration::from_millis(20)],
+            "asks for nudges once, after idle_after"
+        );
         assert!(w.is_idle());
         assert_eq!(
-            &waits[..6],
-            &[2, 4, 8, 16, 16, 16].map(Duration::from_millis)
+            w.next_wait(),
+            None,
+            "idle: only a nudge or the scheduled poll"
         );
-        // Idle: the scheduled poll, at most 2 per second.
-        assert_eq!(w.next_wait(), Duration::from_millis(500));
+        assert_eq!(w.polled(false, now + Duration::from_secs(1)), Action::None);
     }
 
     #[test]
@@ -210,12 +178,20 @@ mod tests {
             w.polled(true, later + Duration::from_secs(2)),
             Action::StopNudges
         );
-        assert_eq!(w.next_wait(), Duration::from_millis(2));
+        assert_eq!(w.next_wait(), Some(Duration::from_millis(2)));
+        // Work or a nudge while busy restarts the count towards idle.
+        let t = later + Duration::from_secs(2);
+        assert_eq!(w.nudged(t + Duration::from_millis(15)), Action::None);
+        assert_eq!(w.polled(false, t + Duration::from_millis(30)), Action::None);
+        assert_eq!(
+            w.polled(false, t + Duration::from_millis(35)),
+            Action::AskForNudges
+        );
     }
 
     /// Random schedules of polls and nudges (seeded, so a failure replays): producers are asked
     /// for nudges only on the way from busy to idle and released only on the way back, the two
-    /// alternate, and the wait always stays within the policy's bounds.
+    /// alternate, and a busy node always polls again after `busy_poll`.
     #[test]
     fn random_schedules_keep_the_protocol() {
         use rand::{Rng, SeedableRng};
@@ -226,7 +202,7 @@ mod tests {
             let mut w = Wakeup::new(p, now);
             let mut asking = false;
             for _ in 0..500 {
-                now += Duration::from_millis(rng.random_range(0..300));
+                now += Duration::from_millis(rng.random_range(0..30));
                 let was_idle = w.is_idle();
                 let action = if rng.random_bool(0.2) {
                     w.nudged(now)
@@ -245,13 +221,8 @@ mod tests {
                     Action::None => assert_eq!(was_idle, w.is_idle(), "seed {seed}"),
                 }
                 assert_eq!(asking, w.is_idle(), "seed {seed}");
-                let wait = w.next_wait();
-                let ceiling = if w.is_idle() {
-                    p.poll_interval
-                } else {
-                    p.busy_poll * BUSY_CEILING
-                };
-                assert!(wait >= p.busy_poll && wait <= ceiling, "seed {seed}");
+                let want = (!w.is_idle()).then_some(p.busy_poll);
+                assert_eq!(w.next_wait(), want, "seed {seed}");
             }
         }
     }

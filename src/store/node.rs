@@ -2,7 +2,6 @@
 
 use sea_orm::ConnectionTrait;
 
-use super::sql::num_array;
 use super::{Store, StoreError, stmt};
 
 /// Who a node is, as recorded in `outpost_node`.
@@ -62,27 +61,5 @@ impl Store {
             .await
             .map_err(StoreError::from_db)?;
         Ok(())
-    }
-
-    /// Of the given partitions, those with at least one row ready to publish now. One index
-    /// probe per partition on the (small) ready index; used by the busy poll.
-    pub async fn ready_partitions(&self, partitions: &[i32]) -> Result<Vec<i32>, StoreError> {
-        if partitions.is_empty() {
-            return Ok(Vec::new());
-        }
-        let list = num_array(partitions);
-        let rows = self
-            .connection()
-            .query_all_raw(stmt(
-                "SELECT p FROM unnest($1::int4[]) AS p WHERE EXISTS ( \
-                   SELECT 1 FROM outpost_event e WHERE e.partition = p \
-                   AND e.status IN ('pending', 'retry_wait') AND e.next_attempt_at <= now())",
-                [list.into()],
-            ))
-            .await
-            .map_err(StoreError::from_db)?;
-        rows.into_iter()
-            .map(|r| r.try_get_by_index::<i32>(0).map_err(StoreError::from_db))
-            .collect()
     }
 }

@@ -251,7 +251,6 @@ fn relay_overrides(
         ("relay.backoff_base_ms", "20"),
         ("relay.backoff_max_ms", "100"),
         ("relay.transient_backoff_max_ms", "500"),
-        ("relay.poll_interval_ms", "200"),
         ("relay.shutdown_timeout_ms", "5000"),
         // Tests read every stream whole at the end to count what was delivered; a trimming
         // round (every minute) in a long test would remove what consumers acknowledged. The
