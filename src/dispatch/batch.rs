@@ -197,7 +197,7 @@ impl Worker {
         };
         if !group.is_empty() {
             let (leases, senders): (Vec<LeaseRef>, Vec<_>) = group.into_iter().unzip();
-            let results = run_group(self, &leases).await;
+            let results = run_group(self, &leases, |_| {}).await;
             for (tx, result) in senders.into_iter().zip(results) {
                 let _ = tx.send(result);
             }
@@ -222,8 +222,13 @@ fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// Runs one batch for each lease, sharing the statements; results in the order of `leases`.
 /// The group's rows stay within one batch's limits: each partition gets an equal part of
-/// `relay.batch_rows` and `relay.batch_bytes`.
-pub async fn run_group(worker: &Worker, leases: &[LeaseRef]) -> Vec<Outcome> {
+/// `relay.batch_rows` and `relay.batch_bytes`. `claimed` learns, right after the claim, which
+/// leases' partitions had no row ready (those are done: their outcome is `Idle`).
+pub async fn run_group(
+    worker: &Worker,
+    leases: &[LeaseRef],
+    claimed: impl FnOnce(&[&LeaseRef]),
+) -> Vec<Outcome> {
     let settings = &worker.shared.settings;
     let n = u32::try_from(leases.len().max(1)).unwrap_or(u32::MAX);
     let per_rows = (settings.batch_rows / n).max(1);
@@ -246,6 +251,11 @@ pub async fn run_group(worker: &Worker, leases: &[LeaseRef]) -> Vec<Outcome> {
     for row in rows {
         by_partition.entry(row.partition).or_default().push(row);
     }
+    let empty: Vec<&LeaseRef> = leases
+        .iter()
+        .filter(|l| !by_partition.contains_key(&l.partition))
+        .collect();
+    claimed(&empty);
     let mut outcomes: Vec<Option<Outcome>> = vec![None; leases.len()];
     // (index in `leases`, plan, rows claimed)
     let mut plans: Vec<(usize, Plan, usize)> = Vec::new();
@@ -276,6 +286,38 @@ pub async fn run_group(worker: &Worker, leases: &[LeaseRef]) -> Vec<Outcome> {
             .collect();
     }
     fail::fail_point!("after-claim", |_| std::process::abort());
+    // A busy poll claims for every idle partition: what it found is published and marked by
+    // groups of at most GROUP_MAX partitions at once, each on its own connection, as partition
+    // actors' batches are, so a large mark does not hold every partition that had a row.
+    let mut groups: Vec<Vec<(usize, Plan, usize)>> = Vec::new();
+    for p in plans {
+        match groups.last_mut() {
+            Some(g) if g.len() < GROUP_MAX => g.push(p),
+            _ => groups.push(vec![p]),
+        }
+    }
+    let delivered = futures::future::join_all(
+        groups
+            .into_iter()
+            .map(|g| deliver(worker, leases, g, per_rows)),
+    )
+    .await;
+    for (i, outcome) in delivered.into_iter().flatten() {
+        outcomes[i] = Some(outcome);
+    }
+    finish(outcomes)
+}
+
+/// Rate-limits, publishes and marks what was claimed for some of `leases` (`plans`: index in
+/// `leases`, plan, rows claimed); each partition's outcome with its index in `leases`.
+async fn deliver(
+    worker: &Worker,
+    leases: &[LeaseRef],
+    mut plans: Vec<(usize, Plan, usize)>,
+    per_rows: u32,
+) -> Vec<(usize, Outcome)> {
+    let settings = &worker.shared.settings;
+    let mut out: Vec<(usize, Outcome)> = Vec::with_capacity(plans.len());
 
     for (_, plan, _) in &plans {
         for b in &plan.batches {
@@ -294,9 +336,9 @@ pub async fn run_group(worker: &Worker, leases: &[LeaseRef]) -> Vec<Outcome> {
             "the lease may have expired (no renewal in time); not publishing".to_owned(),
         );
         for (i, _, _) in &plans {
-            outcomes[*i] = Some(Err(e.clone()));
+            out.push((*i, Err(e.clone())));
         }
-        return finish(outcomes);
+        return out;
     }
     fail::fail_point!("before-publish", |_| std::process::abort());
     let all: Vec<StreamBatch> = plans
@@ -313,9 +355,9 @@ pub async fn run_group(worker: &Worker, leases: &[LeaseRef]) -> Vec<Outcome> {
                 .increment(1);
             let e = BatchError::Transient(e.to_string());
             for (i, _, _) in &plans {
-                outcomes[*i] = Some(Err(e.clone()));
+                out.push((*i, Err(e.clone())));
             }
-            return finish(outcomes);
+            return out;
         }
     };
     fail::fail_point!("after-publish", |_| std::process::abort());
@@ -337,17 +379,20 @@ pub async fn run_group(worker: &Worker, leases: &[LeaseRef]) -> Vec<Outcome> {
             let (ids, error) = match outcome {
                 StreamOutcome::Lost => {
                     worker.shared.streams.flag_lost();
-                    outcomes[i] = Some(Err(BatchError::Transient(format!(
-                        "stream {stream} is known to exist but Redis has lost it; nothing \
+                    out.push((
+                        i,
+                        Err(BatchError::Transient(format!(
+                            "stream {stream} is known to exist but Redis has lost it; nothing \
                          appended until the loss is handled"
-                    ))));
+                        ))),
+                    ));
                     continue 'plans;
                 }
                 StreamOutcome::Published(ids) => (ids, None),
                 StreamOutcome::Failed { ids, error } => (ids, Some(error)),
                 StreamOutcome::Fenced { current } => {
                     counter!(m::FENCED, "at" => "redis").increment(1);
-                    outcomes[i] = Some(Err(BatchError::Fenced { current }));
+                    out.push((i, Err(BatchError::Fenced { current })));
                     // Skip this partition's remaining replies.
                     continue 'plans;
                 }
@@ -415,65 +460,67 @@ pub async fn run_group(worker: &Worker, leases: &[LeaseRef]) -> Vec<Outcome> {
         {
             Ok(held) => {
                 for (i, claimed) in &simple {
-                    outcomes[*i] = Some(if held.contains(&leases[*i].partition) {
-                        Ok(done(*claimed, per_rows))
-                    } else {
-                        counter!(m::FENCED, "at" => "database").increment(1);
-                        Err(BatchError::LeaseLost(format!(
-                            "lease on partition {} at epoch {} was lost to another node",
-                            leases[*i].partition, leases[*i].epoch
-                        )))
-                    });
+                    out.push((
+                        *i,
+                        if held.contains(&leases[*i].partition) {
+                            Ok(done(*claimed, per_rows))
+                        } else {
+                            counter!(m::FENCED, "at" => "database").increment(1);
+                            Err(BatchError::LeaseLost(format!(
+                                "lease on partition {} at epoch {} was lost to another node",
+                                leases[*i].partition, leases[*i].epoch
+                            )))
+                        },
+                    ));
                 }
             }
             Err(e) => {
                 let e = BatchError::from(e);
                 for (i, _) in &simple {
-                    outcomes[*i] = Some(Err(e.clone()));
+                    out.push((*i, Err(e.clone())));
                 }
             }
         }
     }
     for (i, claimed, result, transient) in detailed {
         let lease = &leases[i];
-        outcomes[i] = Some(
-            match worker
-                .store
-                .record_batch(
-                    lease,
-                    &result,
-                    settings.delete_published,
-                    settings.max_attempts,
-                )
-                .await
-            {
-                Ok(recorded) => {
-                    counter!(m::RETRIES).increment(recorded.retrying);
-                    counter!(m::QUARANTINED).increment(recorded.quarantined);
-                    if recorded.quarantined > 0 {
-                        tracing::error!(
-                            partition = lease.partition,
-                            quarantined = recorded.quarantined,
-                            "events quarantined after relay.max_attempts; inspect with \
+        let outcome = match worker
+            .store
+            .record_batch(
+                lease,
+                &result,
+                settings.delete_published,
+                settings.max_attempts,
+            )
+            .await
+        {
+            Ok(recorded) => {
+                counter!(m::RETRIES).increment(recorded.retrying);
+                counter!(m::QUARANTINED).increment(recorded.quarantined);
+                if recorded.quarantined > 0 {
+                    tracing::error!(
+                        partition = lease.partition,
+                        quarantined = recorded.quarantined,
+                        "events quarantined after relay.max_attempts; inspect with \
                              `outpost status` and release their aggregates to replay them"
-                        );
-                    }
-                    match transient {
-                        Some(e) => {
-                            counter!(m::FAILURES, "kind" => "transient", "code" => e.code().to_owned())
-                                .increment(1);
-                            Err(BatchError::Transient(e.to_string()))
-                        }
-                        None => Ok(done(claimed, per_rows)),
-                    }
+                    );
                 }
-                Err(e) => Err(BatchError::from(e)),
-            },
-        );
+                match transient {
+                    Some(e) => {
+                        counter!(m::FAILURES, "kind" => "transient", "code" => e.code().to_owned())
+                            .increment(1);
+                        Err(BatchError::Transient(e.to_string()))
+                    }
+                    None => Ok(done(claimed, per_rows)),
+                }
+            }
+            Err(e) => Err(BatchError::from(e)),
+        };
+        out.push((i, outcome));
     }
     histogram!(m::MARK_SECONDS).record(started.elapsed().as_secs_f64());
     fail::fail_point!("after-mark", |_| std::process::abort());
-    finish(outcomes)
+    out
 }
 
 fn done(claimed: usize, per_rows: u32) -> BatchOutcome {
@@ -494,7 +541,7 @@ impl Worker {
     /// Runs one batch for `lease` alone, with a full batch's limits: for a partition with a
     /// backlog, whose batches are large enough on their own.
     pub async fn run_alone(&self, lease: LeaseRef) -> Outcome {
-        self.run_together(std::slice::from_ref(&lease))
+        self.run_together(std::slice::from_ref(&lease), |_| {})
             .await
             .pop()
             .unwrap_or(Ok(BatchOutcome::Idle))
@@ -502,13 +549,17 @@ impl Worker {
 
     /// Runs one group batch for `leases` in a batch slot of this worker: the supervisor's busy
     /// poll, whose claim over the idle partitions is the poll itself. Results in the order of
-    /// `leases`.
-    pub async fn run_together(&self, leases: &[LeaseRef]) -> Vec<Outcome> {
+    /// `leases`; `claimed` as in [`run_group`].
+    pub async fn run_together(
+        &self,
+        leases: &[LeaseRef],
+        claimed: impl FnOnce(&[&LeaseRef]),
+    ) -> Vec<Outcome> {
         let Ok(_permit) = self.slots.acquire().await else {
             let e = BatchError::Transient("the worker is shutting down".to_owned());
             return leases.iter().map(|_| Err(e.clone())).collect();
         };
-        run_group(self, leases).await
+        run_group(self, leases, claimed).await
     }
 }
 

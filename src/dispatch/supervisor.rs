@@ -128,9 +128,10 @@ struct Slot {
     lease: Lease,
     addr: Option<Addr<PartitionActor>>,
     state: SlotState,
-    /// The busy poll's batch covers this (idle) partition right now: its actor must not run a
-    /// batch of its own, nor be stopped (its lease released) before the poll's batch is done.
-    polling: bool,
+    /// The busy poll whose batch covers this (idle) partition right now, by number: its actor
+    /// must not run a batch of its own, nor be stopped (its lease released) before that batch
+    /// is done with the partition. Only that poll's reports clear it.
+    polling: Option<u64>,
     /// Wake-ups sent to the actor; `Idle` means no batch of the actor runs only when its report
     /// names the last of them (the busy poll relies on that).
     woken: u64,
@@ -154,12 +155,22 @@ pub struct OwnedPartitions;
 #[rtype(result = "()")]
 struct Nudged(Nudge);
 
-/// The busy poll's batch is done: each lease with how its share ended.
+/// A busy poll's batch is done: each lease with how its share ended.
 #[derive(Debug, Message)]
 #[rtype(result = "()")]
 struct Polled {
+    poll: u64,
     leases: Vec<LeaseRef>,
     outcomes: Vec<Result<BatchOutcome, BatchError>>,
+}
+
+/// A busy poll's claim found nothing in these partitions: they are done with it, and the next
+/// poll may cover them while its batch goes on with the others.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+struct PollFoundNothing {
+    poll: u64,
+    leases: Vec<LeaseRef>,
 }
 
 /// The node supervisor actor.
@@ -175,13 +186,10 @@ pub struct NodeSupervisor {
     health: Arc<Health>,
     restarts: Arc<AtomicU64>,
     ticking: bool,
-    /// A busy poll is under way (one at a time).
-    polling: bool,
-    /// Which worker runs the next busy poll's batch.
-    poll_turn: usize,
-    /// When the busy poll under way started: the next one is due a pause after that start, not
-    /// after its end, so a batch's own time does not add to what a new event waits.
-    poll_started: Instant,
+    /// Busy polls whose batch is under way (at most [`POLLS_PER_WORKER`] per worker).
+    polls: usize,
+    /// The last busy poll's number; it also picks the worker that runs the poll's batch.
+    poll_turn: u64,
     shutdown: Option<oneshot::Sender<()>>,
     to_release: Vec<Lease>,
     worked_since_backlog: bool,
@@ -228,9 +236,8 @@ impl NodeSupervisor {
             health,
             restarts,
             ticking: false,
-            polling: false,
+            polls: 0,
             poll_turn: 0,
-            poll_started: Instant::now(),
             shutdown: None,
             to_release: Vec::new(),
             // Refresh the backlog gauges at the first tick, then every `BACKLOG_EVERY`.
@@ -261,7 +268,7 @@ impl NodeSupervisor {
                     lease,
                     addr: None,
                     state: SlotState::Paused,
-                    polling: false,
+                    polling: None,
                     woken: 0,
                 },
             );
@@ -283,7 +290,7 @@ impl NodeSupervisor {
                 lease,
                 addr: Some(addr),
                 state: SlotState::Busy,
-                polling: false,
+                polling: None,
                 woken: 0,
             },
         );
@@ -300,7 +307,7 @@ impl NodeSupervisor {
                 // While the busy poll's batch covers the partition, the stop waits for it
                 // ([`Polled`]): a lease released under a batch in flight would let the next
                 // owner publish the same rows again.
-                if !slot.polling {
+                if slot.polling.is_none() {
                     addr.do_send(Stop);
                 }
                 slot.state = SlotState::Stopping { release };
@@ -624,18 +631,28 @@ impl NodeSupervisor {
     /// claim is the poll. Under a steady flow it finds an event or two in a few partitions and
     /// publishes and marks them at once, without a query to find them first or a wake-up of
     /// their actors; a partition whose share of the batch came back full has a backlog, and its
-    /// actor takes over ([`Polled`]).
+    /// actor takes over ([`Polled`]). While busy the next poll is due `busy_poll` after this one
+    /// starts, whether or not this one's batch is done by then: it covers the idle partitions
+    /// the batches under way do not.
     fn poll(&mut self, ctx: &mut Context<Self>) {
-        if self.polling || self.shutting_down() {
+        if self.shutting_down() {
+            return;
+        }
+        if let Some(wait) = self.wake.next_wait() {
+            self.schedule_poll(ctx, wait);
+        }
+        if self.polls >= POLLS_PER_WORKER * self.workers.len() {
+            // The batches under way report what they found.
             return;
         }
         let node = &self.settings.node_id;
+        let poll = self.poll_turn.wrapping_add(1);
         let idle: Vec<LeaseRef> = self
             .slots
             .values_mut()
-            .filter(|s| s.state == SlotState::Idle && s.addr.is_some() && !s.polling)
+            .filter(|s| s.state == SlotState::Idle && s.addr.is_some() && s.polling.is_none())
             .map(|s| {
-                s.polling = true;
+                s.polling = Some(poll);
                 LeaseRef {
                     partition: s.lease.partition,
                     node_id: node.clone(),
@@ -645,23 +662,30 @@ impl NodeSupervisor {
             .collect();
         if idle.is_empty() {
             let busy = self.slots.values().any(|s| s.state == SlotState::Busy);
-            self.after_poll(busy, Duration::ZERO, ctx);
+            self.record_poll(busy || self.polls > 0, ctx);
             return;
         }
-        self.poll_turn = self.poll_turn.wrapping_add(1);
+        self.poll_turn = poll;
         let Some((arbiter, worker)) = self
             .workers
-            .get(self.poll_turn % self.workers.len().max(1))
+            .get(usize::try_from(poll).unwrap_or(0) % self.workers.len().max(1))
             .cloned()
         else {
             return;
         };
-        self.polling = true;
-        self.poll_started = Instant::now();
+        self.polls += 1;
         let me = ctx.address();
         let leases = idle.clone();
         let job = async move {
-            let outcomes = match AssertUnwindSafe(worker.run_together(&leases))
+            let found_nothing = |empty: &[&LeaseRef]| {
+                if !empty.is_empty() {
+                    me.do_send(PollFoundNothing {
+                        poll,
+                        leases: empty.iter().map(|l| (*l).clone()).collect(),
+                    });
+                }
+            };
+            let outcomes = match AssertUnwindSafe(worker.run_together(&leases, found_nothing))
                 .catch_unwind()
                 .await
             {
@@ -673,7 +697,11 @@ impl NodeSupervisor {
                     leases.iter().map(|_| Err(e.clone())).collect()
                 }
             };
-            me.do_send(Polled { leases, outcomes });
+            me.do_send(Polled {
+                poll,
+                leases,
+                outcomes,
+            });
         };
         if !arbiter.spawn(job) {
             // The worker's arbiter is gone (the node is stopping): nothing ran.
@@ -683,6 +711,7 @@ impl NodeSupervisor {
                 .collect();
             self.on_polled(
                 Polled {
+                    poll,
                     leases: idle,
                     outcomes,
                 },
@@ -691,21 +720,33 @@ impl NodeSupervisor {
         }
     }
 
-    /// The busy poll's batch is done: partitions go back to idle, or to their actors when their
+    /// Ends a poll's hold on a partition (when that poll still holds it), passing on a stop
+    /// asked for meanwhile. Returns whether it held it.
+    fn end_poll_hold(&mut self, poll: u64, lease: &LeaseRef) -> bool {
+        let Some(slot) = self.slots.get_mut(&lease.partition) else {
+            return false;
+        };
+        if slot.lease.epoch != lease.epoch || slot.polling != Some(poll) {
+            return false;
+        }
+        slot.polling = None;
+        if let (SlotState::Stopping { .. }, Some(addr)) = (slot.state, &slot.addr) {
+            addr.do_send(Stop);
+        }
+        true
+    }
+
+    /// A busy poll's batch is done: partitions go back to idle, or to their actors when their
     /// share came back full (a backlog) or failed (the actor retries, backs off or reports a lost
-    /// lease as it does for its own batches); a stop asked for meanwhile is passed on.
+    /// lease as it does for its own batches).
     fn on_polled(&mut self, msg: Polled, ctx: &mut Context<Self>) {
-        self.polling = false;
+        self.polls = self.polls.saturating_sub(1);
         let mut found = false;
         let mut wake = Vec::new();
         for (lease, outcome) in msg.leases.iter().zip(msg.outcomes) {
-            let Some(slot) = self.slots.get_mut(&lease.partition) else {
-                continue;
-            };
-            if slot.lease.epoch != lease.epoch || !slot.polling {
+            if !self.end_poll_hold(msg.poll, lease) {
                 continue;
             }
-            slot.polling = false;
             match outcome {
                 Ok(BatchOutcome::Idle) => {}
                 Ok(BatchOutcome::Done { full, .. }) => {
@@ -719,9 +760,6 @@ impl NodeSupervisor {
                     wake.push(lease.partition);
                 }
             }
-            if let (SlotState::Stopping { .. }, Some(addr)) = (slot.state, &slot.addr) {
-                addr.do_send(Stop);
-            }
         }
         if found {
             self.worked_since_backlog = true;
@@ -730,24 +768,27 @@ impl NodeSupervisor {
             self.wake_partition(p);
         }
         let busy = self.slots.values().any(|s| s.state == SlotState::Busy);
-        let took = self.poll_started.elapsed();
-        self.after_poll(found || busy, took, ctx);
+        self.record_poll(found || busy, ctx);
     }
 
-    /// Records a poll's outcome in the wake-up state and schedules the next poll, a pause after
-    /// the start of this one (`took` ago). Idle: no polling timer; the heartbeat tick is the
-    /// scheduled poll, and a nudge ends the idleness.
-    fn after_poll(&mut self, found_work: bool, took: Duration, ctx: &mut Context<Self>) {
+    /// Records a poll's outcome in the wake-up state. Found work while idle makes the node busy
+    /// again, and its polls start over; going idle ends them (the heartbeat tick is then the
+    /// scheduled poll, and a nudge ends the idleness).
+    fn record_poll(&mut self, found_work: bool, ctx: &mut Context<Self>) {
+        let was_idle = self.wake.is_idle();
         let action = self.wake.polled(found_work, Instant::now());
         self.apply(action, ctx);
-        if let Some(wait) = self.wake.next_wait() {
-            self.schedule_poll(ctx, wait.saturating_sub(took));
+        if was_idle
+            && self.poll_timer.is_none()
+            && let Some(wait) = self.wake.next_wait()
+        {
+            self.schedule_poll(ctx, wait);
         }
     }
 
     fn wake_partition(&mut self, p: i32) {
         if let Some(slot) = self.slots.get_mut(&p)
-            && !slot.polling
+            && slot.polling.is_none()
             && let (Some(addr), SlotState::Idle | SlotState::Busy) = (&slot.addr, slot.state)
         {
             slot.woken += 1;
@@ -973,6 +1014,16 @@ impl Handler<Polled> for NodeSupervisor {
     }
 }
 
+impl Handler<PollFoundNothing> for NodeSupervisor {
+    type Result = ();
+
+    fn handle(&mut self, msg: PollFoundNothing, _ctx: &mut Context<Self>) {
+        for lease in &msg.leases {
+            self.end_poll_hold(msg.poll, lease);
+        }
+    }
+}
+
 impl Handler<Nudged> for NodeSupervisor {
     type Result = ();
 
@@ -1049,6 +1100,11 @@ impl Handler<OwnedPartitions> for NodeSupervisor {
         )
     }
 }
+
+/// Busy polls whose batches may be under way at once, per worker: a poll is due every
+/// `relay.busy_poll_ms` even when the previous one's batch is still running (under load a batch
+/// takes longer than the pause), each over the idle partitions the others do not cover.
+const POLLS_PER_WORKER: usize = 2;
 
 /// How often the backlog gauges are refreshed (and, across the cluster, counted).
 const BACKLOG_EVERY: Duration = Duration::from_secs(15);
