@@ -70,6 +70,8 @@ pub const XMIN_AGE: &str = "outpost_db_xmin_age_transactions";
 pub const OLDEST_XACT: &str = "outpost_db_oldest_transaction_seconds";
 /// Prepared (two-phase) transactions in the database.
 pub const PREPARED_XACTS: &str = "outpost_db_prepared_transactions";
+/// Size of `outpost_published`, the history of published events, with its indexes, bytes.
+pub const PUBLISHED_BYTES: &str = "outpost_published_bytes";
 
 /// Every metric Outpost exports (histograms also as `_bucket`, `_sum`, `_count`).
 pub const ALL: &[&str] = &[
@@ -103,6 +105,7 @@ pub const ALL: &[&str] = &[
     XMIN_AGE,
     OLDEST_XACT,
     PREPARED_XACTS,
+    PUBLISHED_BYTES,
     CONSUMER_PROCESSED,
     CONSUMER_DUPLICATES,
     CONSUMER_HELD,
@@ -310,6 +313,11 @@ fn describe() {
         PREPARED_XACTS,
         Unit::Count,
         "Prepared transactions in the database."
+    );
+    describe_gauge!(
+        PUBLISHED_BYTES,
+        Unit::Bytes,
+        "Size of the history of published events, with its indexes."
     );
 }
 

@@ -9,7 +9,6 @@ use std::time::Duration;
 
 use outpost::produce::EventFact;
 use outpost::store::BacklogFigures;
-use sea_orm::ConnectionTrait;
 use serde_json::json;
 use support::{TestDb, commit_facts, scalar};
 
@@ -61,13 +60,7 @@ async fn one_node_counts_per_period_and_the_others_read_its_figures() {
     assert_eq!(rows(&d, "pending"), 12);
 
     // Nothing undelivered: no oldest age.
-    db.store
-        .connection()
-        .execute_unprepared(
-            "UPDATE outpost_event SET status = 'published', stream_id = '0-1', published_at = now()",
-        )
-        .await
-        .unwrap();
+    support::publish_rows(&db, "TRUE", "now()").await;
     let e = db.store.shared_backlog(Duration::ZERO, true).await.unwrap();
     assert_eq!((rows(&e, "pending"), rows(&e, "published")), (0, 12));
     assert_eq!(e.oldest_pending_age_secs, None);

@@ -798,17 +798,7 @@ async fn the_outbox_carries_no_check_constraint_but_the_status_rule() {
 #[tokio::test]
 async fn the_lean_insert_migration_reverts_and_reapplies() {
     let db = TestDb::new().await;
-    let names: Vec<String> = outpost::store::migrate_status(&db.store)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|m| m.name)
-        .collect();
-    let at = names
-        .iter()
-        .position(|n| n == "m20261202_000007_lean_insert")
-        .unwrap();
-    let steps = u32::try_from(names.len() - at).unwrap();
+    let steps = support::migrations_from(&db, "m20261202_000007_lean_insert").await;
     let mut listener = nudged_node(&db).await;
     let partition = scalar(&db, "SELECT outpost_partition_of('o', '1', 64)::int8").await;
     let partition = i32::try_from(partition).unwrap();

@@ -429,11 +429,7 @@ async fn graceful_shutdown_mid_batch_loses_and_duplicates_nothing() {
     let partial = Deliveries::collect(&mut conn, &redis.prefix).await;
     assert!(partial.unique() < ids.len(), "stopped part-way");
     assert_eq!(
-        scalar(
-            &db,
-            "SELECT count(*) FROM outpost_event WHERE status = 'published'"
-        )
-        .await as usize,
+        scalar(&db, "SELECT count(*) FROM outpost_published").await as usize,
         partial.unique(),
         "every published entry was marked: the in-flight batch finished"
     );

@@ -133,7 +133,7 @@ async fn crash_with_every_partition_busy_duplicates_at_most_one_batch_per_partit
             .connection()
             .query_one_raw(Statement::from_sql_and_values(
                 DbBackend::Postgres,
-                "SELECT partition::int8 FROM outpost_event WHERE event_id = $1::uuid",
+                "SELECT partition::int8 FROM outpost_published WHERE event_id = $1::uuid",
                 [event_id.clone().into()],
             ))
             .await

@@ -239,7 +239,9 @@ async fn survive(outage: Outage) {
     assert_eq!(
         scalar(
             &db,
-            "SELECT coalesce(max(attempts), 0)::int8 FROM outpost_event"
+            "SELECT coalesce(max(attempts), 0)::int8 FROM ( \
+               SELECT attempts FROM outpost_event \
+               UNION ALL SELECT attempts FROM outpost_published) t"
         )
         .await,
         0,

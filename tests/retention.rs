@@ -45,18 +45,14 @@ async fn janitor_deletes_only_rows_past_their_window_in_bounded_batches() {
     let db = TestDb::new().await;
     commit(&db, facts(1000, "order.placed")).await;
     // 700 published two hours ago, 200 published just now, 100 still pending.
-    exec(
+    let first = scalar(&db, "SELECT min(id) FROM outpost_event").await;
+    support::publish_rows(
         &db,
-        "UPDATE outpost_event SET status = 'published', stream_id = '1-0', \
-           published_at = now() - interval '2 hours' WHERE id <= (SELECT min(id) + 699 FROM outpost_event)",
+        &format!("id <= {}", first + 699),
+        "now() - interval '2 hours'",
     )
     .await;
-    exec(
-        &db,
-        "UPDATE outpost_event SET status = 'published', stream_id = '1-0', published_at = now() \
-         WHERE status = 'pending' AND id <= (SELECT min(id) + 899 FROM outpost_event)",
-    )
-    .await;
+    support::publish_rows(&db, &format!("id <= {}", first + 899), "now()").await;
     // Old rows in the other states: quarantined stays, discarded and no_destination age out.
     exec(
         &db,
@@ -77,7 +73,7 @@ async fn janitor_deletes_only_rows_past_their_window_in_bounded_batches() {
     .await;
     let recent = scalar(
         &db,
-        "SELECT count(*) FROM outpost_event WHERE published_at > now() - interval '1 hour'",
+        "SELECT count(*) FROM outpost_published WHERE published_at > now() - interval '1 hour'",
     )
     .await;
     assert_eq!(recent, 200);
@@ -117,11 +113,7 @@ async fn janitor_deletes_only_rows_past_their_window_in_bounded_batches() {
     }
     assert_eq!(batches, [300, 300, 100, 0]);
     assert_eq!(
-        scalar(
-            &db,
-            "SELECT count(*) FROM outpost_event WHERE status = 'published'"
-        )
-        .await,
+        scalar(&db, "SELECT count(*) FROM outpost_published").await,
         200,
         "only rows past the window are deleted"
     );
@@ -140,8 +132,13 @@ async fn janitor_deletes_only_rows_past_their_window_in_bounded_batches() {
     );
     assert_eq!(
         scalar(&db, "SELECT count(*) FROM outpost_event").await,
-        200 + quarantined,
-        "recent published rows and quarantined rows remain"
+        quarantined,
+        "quarantined rows remain"
+    );
+    assert_eq!(
+        scalar(&db, "SELECT count(*) FROM outpost_published").await,
+        200,
+        "recent published rows remain"
     );
 }
 
@@ -166,12 +163,7 @@ async fn no_destination_rows_reach_their_state_then_age_out() {
         )
         .await
             == 50
-            && scalar(
-                &db,
-                "SELECT count(*) FROM outpost_event WHERE status = 'published'",
-            )
-            .await
-                == 50
+            && scalar(&db, "SELECT count(*) FROM outpost_published").await == 50
     })
     .await;
     node.shutdown().await;
@@ -198,11 +190,7 @@ async fn no_destination_rows_reach_their_state_then_age_out() {
     })
     .await;
     assert_eq!(
-        scalar(
-            &db,
-            "SELECT count(*) FROM outpost_event WHERE status = 'published'"
-        )
-        .await,
+        scalar(&db, "SELECT count(*) FROM outpost_published").await,
         50
     );
     node.shutdown().await;
@@ -402,4 +390,74 @@ async fn hard_cap_counts_what_it_drops_and_streams_without_groups_are_kept_unles
         .await
         .unwrap();
     assert_eq!(missing.groups, None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_published_history_migration_reverts_and_reapplies_with_every_row() {
+    let db = TestDb::new().await;
+    commit(&db, facts(30, "order.placed")).await;
+    let first = scalar(&db, "SELECT min(id) FROM outpost_event").await;
+    support::publish_rows(
+        &db,
+        &format!("id < {}", first + 20),
+        "now() - interval '5 minutes'",
+    )
+    .await;
+    // Everything an event is, whichever table it sits in; delivery state apart.
+    let fingerprint = "SELECT count(*) FROM ( \
+          SELECT id, event_id, aggregate_type, aggregate_id, aggregate_seq, payload::text, \
+                 partition, txid FROM outpost_event \
+          UNION SELECT id, event_id, aggregate_type, aggregate_id, aggregate_seq, payload::text, \
+                 partition, txid FROM outpost_published) t";
+    let steps = support::migrations_from(&db, "m20261203_000008_published_history").await;
+    assert_eq!(scalar(&db, fingerprint).await, 30);
+
+    outpost::store::migrate_down(&db.store, Some(steps))
+        .await
+        .unwrap();
+    assert_eq!(
+        scalar(
+            &db,
+            "SELECT count(*) FROM outpost_event WHERE status = 'published' \
+             AND published_at < now() - interval '4 minutes' AND stream_id = '1-0'"
+        )
+        .await,
+        20,
+        "the history is back in the outbox as published rows"
+    );
+    assert_eq!(
+        scalar(
+            &db,
+            "SELECT count(*) FROM outpost_event WHERE status = 'pending'"
+        )
+        .await,
+        10
+    );
+    assert_eq!(
+        scalar(
+            &db,
+            "SELECT count(*) FROM pg_class WHERE relname = 'outpost_published'"
+        )
+        .await,
+        0
+    );
+
+    outpost::store::migrate_up(&db.store).await.unwrap();
+    assert_eq!(
+        scalar(&db, "SELECT count(*) FROM outpost_published").await,
+        20
+    );
+    assert_eq!(
+        scalar(
+            &db,
+            "SELECT count(*) FROM outpost_event WHERE status = 'pending'"
+        )
+        .await,
+        10
+    );
+    assert_eq!(
+        scalar(&db, fingerprint).await,
+        30,
+        "no row changed on the way"
+    );
 }

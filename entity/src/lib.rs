@@ -10,5 +10,6 @@ pub mod outpost_event;
 pub mod outpost_inbox;
 pub mod outpost_node;
 pub mod outpost_partition;
+pub mod outpost_published;
 pub mod outpost_redis;
 pub mod outpost_stream;

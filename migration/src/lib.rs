@@ -8,6 +8,25 @@
 pub use sea_orm_migration::prelude::*;
 use sea_orm_migration::sea_orm::DbBackend;
 
+/// The `Migration` of a module whose `up` and `down` are its PostgreSQL texts `UP` and `DOWN`.
+macro_rules! sql_migration {
+    () => {
+        #[derive(Debug, DeriveMigrationName)]
+        pub struct Migration;
+
+        #[async_trait::async_trait]
+        impl MigrationTrait for Migration {
+            async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+                crate::execute_postgres(manager, UP).await
+            }
+
+            async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+                crate::execute_postgres(manager, DOWN).await
+            }
+        }
+    };
+}
+
 mod m20261201_000001_outbox;
 mod m20261201_000002_lease_fence_key;
 mod m20261201_000003_consumer;
@@ -15,6 +34,7 @@ mod m20261201_000004_retention;
 mod m20261201_000005_backlog;
 mod m20261202_000006_insert_checks;
 mod m20261202_000007_lean_insert;
+mod m20261203_000008_published_history;
 
 /// The ordered list of Outpost's migrations, recorded in `outpost_migrations`.
 #[derive(Debug)]
@@ -31,6 +51,7 @@ impl MigratorTrait for Migrator {
             Box::new(m20261201_000005_backlog::Migration),
             Box::new(m20261202_000006_insert_checks::Migration),
             Box::new(m20261202_000007_lean_insert::Migration),
+            Box::new(m20261203_000008_published_history::Migration),
         ]
     }
 

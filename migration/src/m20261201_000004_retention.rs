@@ -10,21 +10,7 @@
 
 use sea_orm_migration::prelude::*;
 
-use crate::execute_postgres;
-
-#[derive(Debug, DeriveMigrationName)]
-pub struct Migration;
-
-#[async_trait::async_trait]
-impl MigrationTrait for Migration {
-    async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        execute_postgres(manager, UP).await
-    }
-
-    async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        execute_postgres(manager, DOWN).await
-    }
-}
+sql_migration!();
 
 const UP: &str = r#"
 CREATE INDEX outpost_event_aged ON outpost_event (status, recorded_at)

@@ -20,21 +20,7 @@
 
 use sea_orm_migration::prelude::*;
 
-use crate::execute_postgres;
-
-#[derive(Debug, DeriveMigrationName)]
-pub struct Migration;
-
-#[async_trait::async_trait]
-impl MigrationTrait for Migration {
-    async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        execute_postgres(manager, UP).await
-    }
-
-    async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        execute_postgres(manager, DOWN).await
-    }
-}
+sql_migration!();
 
 /// The trigger's part that both versions share: the sequence under the aggregate's row lock and
 /// the columns the database fills in (as `m20261201_000001_outbox` wrote it).

@@ -37,23 +37,10 @@
 
 use sea_orm_migration::prelude::*;
 
-use crate::execute_postgres;
 use crate::m20261201_000001_outbox::nudge_trigger;
 use crate::m20261202_000006_insert_checks::{row_rules, rules_trigger};
 
-#[derive(Debug, DeriveMigrationName)]
-pub struct Migration;
-
-#[async_trait::async_trait]
-impl MigrationTrait for Migration {
-    async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        execute_postgres(manager, UP).await
-    }
-
-    async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        execute_postgres(manager, DOWN).await
-    }
-}
+sql_migration!();
 
 /// What the sequence update (or the first event's insert) of the aggregate row returns, and where
 /// the trigger puts it.

@@ -153,6 +153,7 @@ pub async fn refresh_storage_metrics(store: &Store) -> Result<(), StoreError> {
     gauge!(m::XMIN_AGE).set(f.xmin_age_xids as f64);
     gauge!(m::OLDEST_XACT).set(f.oldest_xact_secs);
     gauge!(m::PREPARED_XACTS).set(f.prepared_xacts as f64);
+    gauge!(m::PUBLISHED_BYTES).set(f.published_bytes as f64);
     Ok(())
 }
 

@@ -172,20 +172,22 @@ impl Store {
         let ids: Vec<i64> = published.iter().map(|(id, _)| *id).collect();
         let sids: Vec<&str> = published.iter().map(|(_, s)| s.as_str()).collect();
         let marked = if delete_published {
-            "DELETE FROM outpost_event e USING unnest($4::int8[]) AS v(id) \
-             WHERE e.id = v.id AND e.partition IN (SELECT partition FROM lease) RETURNING 1"
+            "marked AS (DELETE FROM outpost_event e USING unnest($4::int8[]) AS v(id) \
+             WHERE e.id = v.id AND e.partition IN (SELECT partition FROM lease) RETURNING 1)"
+                .to_owned()
         } else {
-            "UPDATE outpost_event e SET status = 'published', published_at = now(), \
-               stream_id = v.sid, last_error = NULL \
-             FROM unnest($4::int8[], $5::text[]) AS v(id, sid) \
-             WHERE e.id = v.id AND e.partition IN (SELECT partition FROM lease) RETURNING 1"
+            move_published(
+                "$4",
+                "$5",
+                " AND e.partition IN (SELECT partition FROM lease)",
+            )
         };
         let sql = format!(
             "WITH lease AS (SELECT p.partition FROM outpost_partition p \
                             JOIN unnest($2::int4[], $3::int8[]) AS l(partition, epoch) \
                               ON p.partition = l.partition AND p.epoch = l.epoch \
                             WHERE p.owner = $1 ORDER BY p.partition FOR KEY SHARE OF p), \
-                  marked AS ({marked}) \
+                  {marked} \
              SELECT partition FROM lease"
         );
         let rows = self
@@ -278,9 +280,7 @@ impl Store {
             } else {
                 let sids: Vec<&str> = result.published.iter().map(|(_, s)| s.as_str()).collect();
                 txn.execute_raw(stmt(
-                    "UPDATE outpost_event e SET status = 'published', published_at = now(), \
-                       stream_id = v.sid, last_error = NULL \
-                     FROM unnest($1::int8[], $2::text[]) AS v(id, sid) WHERE e.id = v.id",
+                    &format!("WITH {} SELECT 1", move_published("$1", "$2", "")),
                     [num_array(&ids).into(), text_array(&sids).into()],
                 ))
                 .await
@@ -348,6 +348,31 @@ impl Store {
         txn.commit().await.map_err(StoreError::from_db)?;
         Ok(res.rows_affected())
     }
+}
+
+/// The columns an event keeps in `outpost_published`, but for the two the mark adds
+/// (`published_at`, `stream_id`).
+pub(super) const PUBLISHED_COLUMNS: &str = "id, event_id, aggregate_type, aggregate_id, \
+     aggregate_seq, aggregate_version, event_type, schema_version, occurred_at, recorded_at, \
+     payload, headers, destination, partition, txid, attempts";
+
+/// Two common table expressions that move published rows from the outbox to
+/// `outpost_published`: `moved` deletes the outbox rows whose ids are in the array parameter
+/// `ids` (and that meet `and`), `marked` inserts them with their stream entry ids (the array
+/// parameter `sids`, in the order of `ids`) and the time of publishing. One statement, so the
+/// row is in exactly one of the two tables at any time.
+fn move_published(ids: &str, sids: &str, and: &str) -> String {
+    let e_columns = PUBLISHED_COLUMNS
+        .split(", ")
+        .map(|c| format!("e.{}", c.trim()))
+        .collect::<Vec<_>>()
+        .join(", ");
+    format!(
+        "moved AS (DELETE FROM outpost_event e USING unnest({ids}::int8[], {sids}::text[]) \
+           AS v(id, sid) WHERE e.id = v.id{and} RETURNING {e_columns}, v.sid), \
+         marked AS (INSERT INTO outpost_published ({PUBLISHED_COLUMNS}, published_at, stream_id) \
+           SELECT {PUBLISHED_COLUMNS}, now(), sid FROM moved RETURNING 1)"
+    )
 }
 
 async fn release_holds<C: ConnectionTrait>(

@@ -4,9 +4,9 @@
 //! **The janitor** deletes in small batches, each a transaction of its own that first takes a
 //! transaction-scoped advisory lock: when several nodes run a janitor, one deletes at a time and
 //! the others skip that round (and `SKIP LOCKED` keeps them off each other's rows regardless).
-//! Published rows are found through the partial index on `published_at`; `no_destination` and
-//! `discarded` rows through `outpost_event_aged` on `(status, recorded_at)`. Quarantined rows are
-//! never deleted: they wait for an operator.
+//! Published events are deleted from `outpost_published` through its index on `published_at`;
+//! `no_destination` and `discarded` rows from the outbox through `outpost_event_aged` on
+//! `(status, recorded_at)`. Quarantined rows are never deleted: they wait for an operator.
 
 use sea_orm::{ConnectionTrait, TransactionTrait};
 
@@ -19,7 +19,7 @@ pub const JANITOR_LOCK: i64 = 0x6f75_7470_6a61_6e69;
 /// Which rows the janitor ages out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Expiry {
-    /// `published` rows, by `published_at`.
+    /// Events in `outpost_published`, by `published_at`.
     Published,
     /// `no_destination` rows, by `recorded_at`.
     NoDestination,
@@ -63,7 +63,7 @@ pub struct RedisRecord {
 pub struct Recovery {
     /// The new incarnation.
     pub incarnation: i64,
-    /// Published rows set back to `pending`.
+    /// Published events moved back into the outbox as `pending`.
     pub republished: u64,
     /// Every partition with its new epoch.
     pub epochs: Vec<(i32, i64)>,
@@ -87,6 +87,9 @@ pub struct StorageFigures {
     pub oldest_xact_secs: f64,
     /// Prepared (two-phase) transactions in this database.
     pub prepared_xacts: i64,
+    /// `pg_total_relation_size('outpost_published')`: the history of published events, with
+    /// its indexes, bytes.
+    pub published_bytes: i64,
 }
 
 /// `(partition, epoch)` rows.
@@ -130,15 +133,15 @@ impl Store {
             txn.rollback().await.map_err(StoreError::from_db)?;
             return Ok(None);
         }
-        let (column, status) = match expiry {
-            Expiry::Published => ("published_at", "published"),
-            Expiry::NoDestination => ("recorded_at", "no_destination"),
-            Expiry::Discarded => ("recorded_at", "discarded"),
+        let (table, column, status) = match expiry {
+            Expiry::Published => ("outpost_published", "published_at", "TRUE"),
+            Expiry::NoDestination => ("outpost_event", "recorded_at", "status = 'no_destination'"),
+            Expiry::Discarded => ("outpost_event", "recorded_at", "status = 'discarded'"),
         };
         let sql = format!(
-            "DELETE FROM outpost_event WHERE id IN ( \
-               SELECT id FROM outpost_event \
-               WHERE status = '{status}' AND {column} < now() - $1 * interval '1 second' \
+            "DELETE FROM {table} WHERE id IN ( \
+               SELECT id FROM {table} \
+               WHERE {status} AND {column} < now() - $1 * interval '1 second' \
                ORDER BY {column} LIMIT $2 FOR UPDATE SKIP LOCKED)"
         );
         let res = txn
@@ -155,14 +158,17 @@ impl Store {
         Ok(Some(res.rows_affected()))
     }
 
-    /// `VACUUM (ANALYZE) outpost_event`: makes the space of deleted and updated rows reusable.
-    /// Takes a lock that does not conflict with inserts, updates or deletes.
+    /// `VACUUM (ANALYZE)` of the outbox and of `outpost_published`: makes the space of deleted
+    /// and updated rows reusable. Takes a lock that does not conflict with inserts, updates or
+    /// deletes.
     pub async fn vacuum_outbox(&self) -> Result<(), StoreError> {
         // VACUUM cannot run inside a transaction block: one statement per call.
-        self.connection()
-            .execute_unprepared("VACUUM (ANALYZE) outpost_event")
-            .await
-            .map_err(StoreError::from_db)?;
+        for table in ["outpost_event", "outpost_published"] {
+            self.connection()
+                .execute_unprepared(&format!("VACUUM (ANALYZE) {table}"))
+                .await
+                .map_err(StoreError::from_db)?;
+        }
         Ok(())
     }
 
@@ -267,9 +273,10 @@ impl Store {
     /// 2. bumps every partition's epoch (owners keep their partitions): batches claimed before
     ///    this point are refused at the mark, and at Redis once the fences are raised to the new
     ///    epochs; the update waits for marks in flight;
-    /// 3. sets the rows published in the last `window_secs` back to `pending`, with their event
-    ///    ids: the relay publishes them again through its normal path, in id order per partition,
-    ///    which is sequence order per aggregate;
+    /// 3. moves the events published in the last `window_secs` back into the outbox as
+    ///    `pending`, with their ids, event ids and sequences: the relay publishes them again
+    ///    through its normal path, in id order per partition, which is sequence order per
+    ///    aggregate;
     /// 4. resets every stream's recorded position to the new incarnation.
     pub async fn recover_redis_loss(
         &self,
@@ -306,10 +313,22 @@ impl Store {
         let republished = if window_secs == 0 {
             0
         } else {
+            // The rows carry this transaction's id, so the insert trigger leaves their
+            // sequence, partition and id as they are (the same bypass the producer API's
+            // statement for many events uses); `txid` then names the re-queuing transaction.
+            let columns = super::claim::PUBLISHED_COLUMNS
+                .split(", ")
+                .map(|c| if c == "txid" { "txid_current()" } else { c })
+                .collect::<Vec<_>>()
+                .join(", ");
             txn.execute_raw(stmt(
-                "UPDATE outpost_event SET status = 'pending', published_at = NULL, \
-                   stream_id = NULL, next_attempt_at = now() \
-                 WHERE status = 'published' AND published_at >= now() - $1 * interval '1 second'",
+                &format!(
+                    "WITH back AS (DELETE FROM outpost_published \
+                       WHERE published_at >= now() - $1 * interval '1 second' RETURNING *) \
+                     INSERT INTO outpost_event ({}, status, next_attempt_at) \
+                     SELECT {columns}, 'pending', now() FROM back",
+                    super::claim::PUBLISHED_COLUMNS
+                ),
                 [i64::try_from(window_secs).unwrap_or(i64::MAX).into()],
             ))
             .await
@@ -372,7 +391,8 @@ impl Store {
                         coalesce((SELECT max(xids) FROM holders), 0)::int8, \
                         coalesce((SELECT max(secs) FROM holders), 0)::float8, \
                         (SELECT count(*) FROM pg_prepared_xacts \
-                         WHERE database = current_database())",
+                         WHERE database = current_database()), \
+                        pg_total_relation_size('outpost_published')",
                 [],
             ))
             .await
@@ -387,6 +407,7 @@ impl Store {
             xmin_age_xids: row.try_get_by_index(4).map_err(g)?,
             oldest_xact_secs: row.try_get_by_index(5).map_err(g)?,
             prepared_xacts: row.try_get_by_index(6).map_err(g)?,
+            published_bytes: row.try_get_by_index(7).map_err(g)?,
         })
     }
 }

@@ -126,7 +126,10 @@ pub async fn backlog(store: &Store) -> Result<Backlog, StoreError> {
 /// Rows by state (a scan of the outbox).
 async fn count_by_status(db: &impl ConnectionTrait) -> Result<Vec<StatusCount>, StoreError> {
     db.query_all_raw(stmt(
-        "SELECT status, count(*) FROM outpost_event GROUP BY status ORDER BY status",
+        "SELECT status, count(*) FROM ( \
+           SELECT status FROM outpost_event \
+           UNION ALL SELECT 'published' FROM outpost_published) t \
+         GROUP BY status ORDER BY status",
         [],
     ))
     .await

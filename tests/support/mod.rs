@@ -565,17 +565,46 @@ pub async fn wait_for_idle_node(db: &TestDb) {
     .await;
 }
 
-/// Every row is published.
+/// Every row is published: the outbox is empty (published events live in `outpost_published`).
 pub async fn assert_all_published(db: &TestDb) {
     assert_eq!(
-        scalar(
-            db,
-            "SELECT count(*) FROM outpost_event WHERE status <> 'published'"
-        )
-        .await,
+        scalar(db, "SELECT count(*) FROM outpost_event").await,
         0,
         "every row is published"
     );
+}
+
+/// How many migrations, from `name` on, `migrate_down` must revert to undo `name`.
+pub async fn migrations_from(db: &TestDb, name: &str) -> u32 {
+    let names: Vec<String> = outpost::store::migrate_status(&db.store)
+        .await
+        .expect("migration status")
+        .into_iter()
+        .map(|m| m.name)
+        .collect();
+    let at = names
+        .iter()
+        .position(|n| n == name)
+        .expect("the migration exists");
+    u32::try_from(names.len() - at).expect("a few migrations")
+}
+
+/// Moves the outbox rows that meet `filter` to `outpost_published` as the relay's mark does,
+/// published at `at` (an SQL expression), with entry id `1-0`: the state a test starts from.
+pub async fn publish_rows(db: &TestDb, filter: &str, at: &str) {
+    use sea_orm::ConnectionTrait;
+    const COLUMNS: &str = "id, event_id, aggregate_type, aggregate_id, aggregate_seq, \
+        aggregate_version, event_type, schema_version, occurred_at, recorded_at, payload, \
+        headers, destination, partition, txid, attempts";
+    db.store
+        .connection()
+        .execute_unprepared(&format!(
+            "WITH moved AS (DELETE FROM outpost_event WHERE {filter} RETURNING {COLUMNS}) \
+             INSERT INTO outpost_published ({COLUMNS}, published_at, stream_id) \
+             SELECT {COLUMNS}, {at}, '1-0' FROM moved"
+        ))
+        .await
+        .expect("publish rows");
 }
 
 /// Starts a relay node in this process (its own thread and actix system).
