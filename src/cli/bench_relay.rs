@@ -32,6 +32,9 @@ const DB_NAME: &str = "outpost_bench_relay";
 const NODE_ID: &str = "bench-node";
 /// Preload shape: transactions of 1,000 events from 4 writers.
 const PRELOAD_TX_SIZE: u32 = 1000;
+/// The aggregate type and event type of every event the benchmark writes.
+const BENCH_AGGREGATE_TYPE: &str = "bench";
+const BENCH_EVENT_TYPE: &str = "bench.tick";
 const PRELOAD_WRITERS: u32 = 4;
 /// Rows per batch of the bare loop.
 const BARE_BATCH: u32 = 500;
@@ -325,8 +328,8 @@ impl Bench<'_> {
         println!("throughput      {rate:.0} events/s");
         print_usage(&before.diff(&after, self.clk_tck), args.events);
         println!(
-            "memory          peak RSS before node start {} (the preloading writers included), \
-             RSS {}",
+            "memory          peak RSS before node start {} (the benchmark alone; the preload \
+             ran in another process), RSS {}",
             mib(hwm_before),
             mib(rss_before)
         );
@@ -336,7 +339,7 @@ impl Bench<'_> {
             if hwm_reset {
                 "the peak was reset to the RSS when the node started: this is the drain's peak"
             } else {
-                "the peak could not be reset: it includes the preload"
+                "the peak could not be reset: it includes what ran before the node"
             },
             mib(rss_after)
         );
@@ -350,30 +353,53 @@ impl Bench<'_> {
     async fn preload(&self) -> anyhow::Result<()> {
         let args = self.args;
         self.store.truncate_outbox().await?;
-        let spec = LoadSpec {
-            count: args.events,
-            rate: None,
-            aggregates: args.aggregates,
-            aggregate_type: "bench".to_owned(),
-            event_type: "bench.tick".to_owned(),
-            payload_bytes: args.payload_bytes,
-            tx_size: PRELOAD_TX_SIZE,
-            writers: PRELOAD_WRITERS,
-            target: WriteTarget::Outbox,
-        };
-        let report = run_load(&self.store, &self.producer(), &spec, noop()).await?;
+        // The producers are another process, as they are in production: this process's memory
+        // is then the node's (and the benchmark's), not what the writers left behind.
+        let started = Instant::now();
+        let exe = std::env::current_exe().context("locating the outpost binary")?;
+        let out = tokio::process::Command::new(exe)
+            .arg("produce")
+            .args(["--count", &args.events.to_string()])
+            .args(["--aggregates", &args.aggregates.to_string()])
+            .args(["--payload-bytes", &args.payload_bytes.to_string()])
+            .args(["--tx-size", &PRELOAD_TX_SIZE.to_string()])
+            .args(["--writers", &PRELOAD_WRITERS.to_string()])
+            .args(["--aggregate-type", BENCH_AGGREGATE_TYPE])
+            .args(["--event-type", BENCH_EVENT_TYPE])
+            .args([
+                "--set",
+                &format!(
+                    "producer.max_payload_bytes={}",
+                    self.config.producer.max_payload_bytes
+                ),
+            ])
+            // In the environment, not on the command line, where `ps` would show a password.
+            .env("OUTPOST_DATABASE__URL", &self.url)
+            .kill_on_drop(true)
+            .output()
+            .await
+            .context("running `outpost produce` for the preload")?;
+        if !out.status.success() {
+            bail!(
+                "the preload (`outpost produce`) failed: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        let elapsed = started.elapsed().as_secs_f64();
         let vacuum = Instant::now();
         self.store.vacuum_analyze_outbox().await?;
         println!(
             "preload         {} events over {} aggregates, {}-byte payloads, {} writers × {} \
-             per transaction: {:.1} s ({:.0} events/s); VACUUM ANALYZE + CHECKPOINT {:.1} s",
-            report.events,
+             per transaction, by `outpost produce` in a process of its own: {:.1} s ({:.0} \
+             events/s); VACUUM ANALYZE + CHECKPOINT {:.1} s",
+            args.events,
             args.aggregates.min(args.events),
             args.payload_bytes,
             PRELOAD_WRITERS,
             PRELOAD_TX_SIZE,
-            report.elapsed.as_secs_f64(),
-            report.events_per_sec(),
+            elapsed,
+            args.events as f64 / elapsed.max(1e-9),
             vacuum.elapsed().as_secs_f64()
         );
         Ok(())
@@ -538,8 +564,8 @@ impl Bench<'_> {
                     count: u64::from(rate).saturating_mul(args.steady_secs),
                     rate: Some(nz),
                     aggregates: args.aggregates,
-                    aggregate_type: "bench".to_owned(),
-                    event_type: "bench.tick".to_owned(),
+                    aggregate_type: BENCH_AGGREGATE_TYPE.to_owned(),
+                    event_type: BENCH_EVENT_TYPE.to_owned(),
                     payload_bytes: args.payload_bytes,
                     tx_size: args.steady_tx_size,
                     writers: args.steady_writers,
