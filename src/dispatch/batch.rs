@@ -6,6 +6,7 @@
 //! a batch that fails part-way leaves its rows pending, and the next claim sees them again.
 
 use std::collections::HashMap;
+use std::hash::BuildHasher;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -153,11 +154,10 @@ impl From<StoreError> for BatchError {
     }
 }
 
-/// Where each entry of a stream batch came from.
+/// Where each entry of a stream batch came from (its aggregate is the entry's).
 #[derive(Debug, Clone)]
 struct Origin {
     id: i64,
-    aggregate: (String, String),
     seq: i64,
     attempts: i32,
     recorded_at: chrono::DateTime<chrono::FixedOffset>,
@@ -349,7 +349,7 @@ async fn deliver(
     let published = publish(worker, &all).await;
     histogram!(m::PUBLISH_SECONDS).record(started.elapsed().as_secs_f64());
     let mut replies = match published {
-        Ok(o) => all.iter().map(|b| b.stream.as_str()).zip(o),
+        Ok(o) => all.iter().zip(o),
         Err(e) => {
             counter!(m::FAILURES, "kind" => "transient", "code" => e.code().to_owned())
                 .increment(1);
@@ -363,6 +363,7 @@ async fn deliver(
     fail::fail_point!("after-publish", |_| std::process::abort());
 
     let now = chrono::Utc::now();
+    let commit_to_publish = histogram!(m::COMMIT_TO_PUBLISH_SECONDS);
     // Partitions whose batch only published go to one shared mark; the others (failures,
     // no-destination rows, released holds) are recorded one by one.
     let mut simple: Vec<(usize, usize)> = Vec::new();
@@ -373,9 +374,10 @@ async fn deliver(
         let mut result = plan.result;
         let mut transient: Option<PublishError> = None;
         for origins in plan.origins {
-            let Some((stream, outcome)) = replies.next() else {
+            let Some((batch, outcome)) = replies.next() else {
                 break;
             };
+            let stream = batch.stream.as_str();
             let (ids, error) = match outcome {
                 StreamOutcome::Lost => {
                     worker.shared.streams.flag_lost();
@@ -401,23 +403,27 @@ async fn deliver(
             if let Some(last) = ids.last() {
                 worker.shared.streams.published(stream, last);
             }
-            for (origin, id) in origins.iter().zip(ids) {
+            for ((origin, entry), id) in origins.iter().zip(&batch.entries).zip(ids) {
                 let latency = (now - origin.recorded_at.with_timezone(&chrono::Utc))
                     .to_std()
                     .unwrap_or_default();
-                histogram!(m::COMMIT_TO_PUBLISH_SECONDS).record(latency.as_secs_f64());
+                commit_to_publish.record(latency.as_secs_f64());
                 if origin.attempts > 0 {
-                    result.unblocked.push((
-                        origin.aggregate.0.clone(),
-                        origin.aggregate.1.clone(),
-                        origin.seq,
-                    ));
+                    let (kind, aggregate) = entry.aggregate();
+                    result
+                        .unblocked
+                        .push((kind.to_owned(), aggregate.to_owned(), origin.seq));
                 }
                 result.published.push((origin.id, id));
             }
-            if let (Some(error), Some(origin)) = (error, origins.get(n_ok)) {
+            if let (Some(error), Some(origin), Some(entry)) =
+                (error, origins.get(n_ok), batch.entries.get(n_ok))
+            {
                 match error.class() {
-                    ErrorClass::Permanent => result.failed.push(failure(settings, origin, &error)),
+                    ErrorClass::Permanent => {
+                        let failed = failure(settings, origin, entry.aggregate(), &error);
+                        result.failed.push(failed);
+                    }
                     ErrorClass::Transient => transient = Some(error),
                 }
             }
@@ -580,7 +586,12 @@ async fn publish(
     worker.publisher.publish(batches).await
 }
 
-fn failure(settings: &RelaySettings, origin: &Origin, error: &PublishError) -> FailedEvent {
+fn failure(
+    settings: &RelaySettings,
+    origin: &Origin,
+    (aggregate_type, aggregate_id): (&str, &str),
+    error: &PublishError,
+) -> FailedEvent {
     let attempt = u32::try_from(origin.attempts.max(0)).unwrap_or(0) + 1;
     let delay = super::backoff::delay(
         attempt,
@@ -590,8 +601,8 @@ fn failure(settings: &RelaySettings, origin: &Origin, error: &PublishError) -> F
     );
     FailedEvent {
         id: origin.id,
-        aggregate_type: origin.aggregate.0.clone(),
-        aggregate_id: origin.aggregate.1.clone(),
+        aggregate_type: aggregate_type.to_owned(),
+        aggregate_id: aggregate_id.to_owned(),
         aggregate_seq: origin.seq,
         error: error.to_string(),
         retry_in_ms: i64::try_from(delay.as_millis()).unwrap_or(i64::MAX),
@@ -618,16 +629,19 @@ fn plan(
     // Routes of this batch: most rows share an aggregate type, event type and destination, so
     // each distinct combination is routed once.
     let mut routes: Vec<(RouteKey, RouteResult)> = Vec::new();
-    // Aggregate → the batch its rows go to, or None once it is cut or failed.
-    let mut aggregates: HashMap<(String, String), Option<usize>> = HashMap::new();
+    // Aggregate → the batch its rows go to, or None once it is cut or failed. Keyed by a hash
+    // of the aggregate (randomly keyed, so collisions are as good as impossible; one would
+    // only make two aggregates wait for the next batch together, never reorder either).
+    let mut aggregates: HashMap<u64, Option<usize>> = HashMap::new();
+    let keys = std::collections::hash_map::RandomState::new();
     for row in rows {
-        let key = (row.aggregate_type.clone(), row.aggregate_id.clone());
+        let key = keys.hash_one((&row.aggregate_type, &row.aggregate_id));
         if matches!(aggregates.get(&key), Some(None)) {
             continue;
         }
+        let aggregate = (row.aggregate_type.as_str(), row.aggregate_id.as_str());
         let origin = Origin {
             id: row.id,
-            aggregate: key.clone(),
             seq: row.aggregate_seq,
             attempts: row.attempts,
             recorded_at: row.recorded_at,
@@ -683,7 +697,9 @@ fn plan(
             Ok(Some(idx)) => idx,
             Err(e) => {
                 let err = PublishError::event("UNROUTABLE", e);
-                plan.result.failed.push(failure(settings, &origin, &err));
+                plan.result
+                    .failed
+                    .push(failure(settings, &origin, aggregate, &err));
                 aggregates.insert(key, None);
                 continue;
             }
@@ -705,7 +721,9 @@ fn plan(
                     settings.max_payload_bytes
                 ),
             );
-            plan.result.failed.push(failure(settings, &origin, &err));
+            plan.result
+                .failed
+                .push(failure(settings, &origin, aggregate, &err));
             aggregates.insert(key, None);
             continue;
         }
@@ -722,10 +740,14 @@ fn plan(
             payload: row.payload,
             headers: row.headers,
         };
-        let entry = match Entry::new(message) {
+        let entry = match Entry::try_new(message) {
             Ok(e) => e,
-            Err(e) => {
-                plan.result.failed.push(failure(settings, &origin, &e));
+            Err(failed) => {
+                let (e, m) = *failed;
+                let aggregate = (m.aggregate_type.as_str(), m.aggregate_id.as_str());
+                plan.result
+                    .failed
+                    .push(failure(settings, &origin, aggregate, &e));
                 aggregates.insert(key, None);
                 continue;
             }

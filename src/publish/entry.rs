@@ -98,6 +98,10 @@ const VARYING: usize = {
     n
 };
 
+/// Where [`Entry::new`] puts the aggregate's type and id among the varying values.
+const AGGREGATE_TYPE_AT: usize = 5;
+const AGGREGATE_ID_AT: usize = 3;
+
 /// One stream entry: the values of an event that vary, in the order of [`FIXED`], then the
 /// optional fields, then the payload.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -111,12 +115,21 @@ impl Entry {
     /// The entry for `m`, consuming it (the payload is moved, not copied). Fails when the
     /// headers are not a JSON object.
     pub fn new(m: Message) -> Result<Self, PublishError> {
+        Self::try_new(m).map_err(|failed| failed.0)
+    }
+
+    /// [`Entry::new`], giving the message back with the error.
+    pub fn try_new(m: Message) -> Result<Self, Box<(PublishError, Message)>> {
         let mut headers: Map<String, Value> = if m.headers.is_empty() || m.headers == "{}" {
             Map::new()
         } else {
-            serde_json::from_str(&m.headers).map_err(|e| {
-                PublishError::event("ENCODING", format!("headers are not a JSON object: {e}"))
-            })?
+            match serde_json::from_str(&m.headers) {
+                Ok(h) => h,
+                Err(e) => {
+                    let e = format!("headers are not a JSON object: {e}");
+                    return Err(Box::new((PublishError::event("ENCODING", e), m)));
+                }
+            }
         };
         let mut trace = |name| match headers.remove(name) {
             Some(Value::String(v)) => Some(v),
@@ -161,6 +174,14 @@ impl Entry {
         }
         out.push((field::DATA, self.data.as_str()));
         out
+    }
+
+    /// The event's aggregate, `(type, id)`.
+    pub fn aggregate(&self) -> (&str, &str) {
+        (
+            &self.varying[AGGREGATE_TYPE_AT],
+            &self.varying[AGGREGATE_ID_AT],
+        )
     }
 
     /// Which optional fields are present: bit `i` for `OPTIONAL[i]`.
