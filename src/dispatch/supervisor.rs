@@ -645,8 +645,15 @@ impl NodeSupervisor {
             // The batches under way report what they found.
             return;
         }
-        let node = &self.settings.node_id;
         let poll = self.poll_turn.wrapping_add(1);
+        let Some((arbiter, worker)) = self
+            .workers
+            .get(usize::try_from(poll).unwrap_or(0) % self.workers.len().max(1))
+            .cloned()
+        else {
+            return;
+        };
+        let node = &self.settings.node_id;
         let idle: Vec<LeaseRef> = self
             .slots
             .values_mut()
@@ -666,13 +673,6 @@ impl NodeSupervisor {
             return;
         }
         self.poll_turn = poll;
-        let Some((arbiter, worker)) = self
-            .workers
-            .get(usize::try_from(poll).unwrap_or(0) % self.workers.len().max(1))
-            .cloned()
-        else {
-            return;
-        };
         self.polls += 1;
         let me = ctx.address();
         let leases = idle.clone();
