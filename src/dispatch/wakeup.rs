@@ -15,8 +15,17 @@
 //!
 //! Under a dense flow the node stays busy and producers never notify; under a sparse one (gaps
 //! longer than `idle_after` between events) each event is nudged, which costs producers nothing
-//! measurable at such rates and reaches the node sooner than a poll would. The state machine is
-//! pure: the caller performs the [`Action`]s.
+//! measurable at such rates and reaches the node sooner than a poll would.
+//!
+//! A flow whose pauses are only just longer than `idle_after` (producers writing large
+//! transactions stall together on their commits' WAL flushes for tens of milliseconds) would
+//! make the node go idle and come back at every pause, and each time the transactions under way
+//! NOTIFY. So the wait before going idle **adapts**: when an idle spell ends sooner than the
+//! wait that led to it, the node went idle too early and the next wait doubles, up to
+//! [`MAX_IDLE_AFTER_FACTOR`] × `idle_after`; when a spell lasts longer than the wait, the wait
+//! halves back towards `idle_after`. A sparse flow keeps the short wait, a dense one with pauses
+//! stops flapping after a few spells. The state machine is pure: the caller performs the
+//! [`Action`]s.
 
 use std::time::{Duration, Instant};
 
@@ -40,10 +49,13 @@ pub enum Action {
     StopNudges,
 }
 
+/// How far the wait before going idle may grow, as a multiple of `idle_after`.
+pub const MAX_IDLE_AFTER_FACTOR: u32 = 16;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Mode {
     Busy { since_work: Instant },
-    Idle,
+    Idle { since: Instant },
 }
 
 /// The wake-up state of one node.
@@ -51,6 +63,9 @@ enum Mode {
 pub struct Wakeup {
     policy: WakePolicy,
     mode: Mode,
+    /// The current wait before going idle: `idle_after`, or more while the flow's pauses keep
+    /// ending idle spells early.
+    idle_after: Duration,
 }
 
 impl Wakeup {
@@ -59,12 +74,36 @@ impl Wakeup {
         Self {
             policy,
             mode: Mode::Busy { since_work: now },
+            idle_after: policy.idle_after,
         }
     }
 
     /// True while producers are asked to NOTIFY.
     pub fn is_idle(&self) -> bool {
-        self.mode == Mode::Idle
+        matches!(self.mode, Mode::Idle { .. })
+    }
+
+    /// The current wait without work before going idle (see the module's notes).
+    pub fn idle_after(&self) -> Duration {
+        self.idle_after
+    }
+
+    /// Leaves idle at `now`, adapting the wait before the next idle spell to how long this one
+    /// lasted.
+    fn wake(&mut self, now: Instant) -> Action {
+        let Mode::Idle { since } = self.mode else {
+            self.mode = Mode::Busy { since_work: now };
+            return Action::None;
+        };
+        let spell = now.saturating_duration_since(since);
+        let base = self.policy.idle_after;
+        self.idle_after = if spell < self.idle_after {
+            (self.idle_after * 2).min(base * MAX_IDLE_AFTER_FACTOR)
+        } else {
+            (self.idle_after / 2).max(base)
+        };
+        self.mode = Mode::Busy { since_work: now };
+        Action::StopNudges
     }
 
     /// Records the outcome of a poll.
@@ -75,30 +114,21 @@ impl Wakeup {
                 Action::None
             }
             (Mode::Busy { since_work }, false) => {
-                if now.saturating_duration_since(since_work) >= self.policy.idle_after {
-                    self.mode = Mode::Idle;
+                if now.saturating_duration_since(since_work) >= self.idle_after {
+                    self.mode = Mode::Idle { since: now };
                     Action::AskForNudges
                 } else {
                     Action::None
                 }
             }
-            (Mode::Idle, true) => {
-                self.mode = Mode::Busy { since_work: now };
-                Action::StopNudges
-            }
-            (Mode::Idle, false) => Action::None,
+            (Mode::Idle { .. }, true) => self.wake(now),
+            (Mode::Idle { .. }, false) => Action::None,
         }
     }
 
     /// Records a nudge from a producer.
     pub fn nudged(&mut self, now: Instant) -> Action {
-        let was_idle = self.is_idle();
-        self.mode = Mode::Busy { since_work: now };
-        if was_idle {
-            Action::StopNudges
-        } else {
-            Action::None
-        }
+        self.wake(now)
     }
 
     /// How long to wait before the next poll: `busy_poll` while busy; `None` while idle, when
@@ -106,7 +136,7 @@ impl Wakeup {
     pub fn next_wait(&self) -> Option<Duration> {
         match self.mode {
             Mode::Busy { .. } => Some(self.policy.busy_poll),
-            Mode::Idle => None,
+            Mode::Idle { .. } => None,
         }
     }
 }
@@ -187,6 +217,58 @@ mod tests {
             w.polled(false, t + Duration::from_millis(35)),
             Action::AskForNudges
         );
+    }
+
+    /// Goes idle after `w.idle_after()` without work from `start` (polling every `busy_poll`),
+    /// then is nudged `pause` after that: returns when it went idle.
+    fn spell(w: &mut Wakeup, start: Instant, pause: Duration) -> Instant {
+        assert_eq!(w.polled(true, start), Action::None);
+        let mut now = start;
+        loop {
+            now += w.next_wait().expect("busy");
+            if w.polled(false, now) == Action::AskForNudges {
+                break;
+            }
+        }
+        assert_eq!(w.nudged(now + pause), Action::StopNudges);
+        now
+    }
+
+    #[test]
+    fn idle_spells_cut_short_lengthen_the_wait_and_long_ones_shorten_it() {
+        let t0 = Instant::now();
+        let base = policy().idle_after;
+        let mut w = Wakeup::new(policy(), t0);
+        // Pauses of 25 ms in a dense flow: each idle spell ends 5 ms in, sooner than the wait
+        // before it, so the wait doubles until the pauses no longer make the node idle.
+        let mut t = t0;
+        let mut waits = Vec::new();
+        for _ in 0..3 {
+            let went_idle = spell(&mut w, t, Duration::from_millis(5));
+            waits.push(went_idle - t);
+            t = went_idle + Duration::from_millis(5);
+        }
+        assert_eq!(
+            waits,
+            [base, base * 2, base * 4],
+            "went idle after 20, 40, 80 ms"
+        );
+        assert_eq!(w.idle_after(), base * 8);
+        // Now 25 ms pauses keep it busy: no spell.
+        assert_eq!(w.polled(true, t), Action::None);
+        assert_eq!(w.polled(false, t + Duration::from_millis(25)), Action::None);
+        // It never grows past the cap.
+        for _ in 0..10 {
+            let went_idle = spell(&mut w, t, Duration::ZERO);
+            t = went_idle + Duration::from_millis(1);
+        }
+        assert_eq!(w.idle_after(), base * MAX_IDLE_AFTER_FACTOR);
+        // A sparse flow (spells longer than the wait) brings it back down to `idle_after`.
+        for _ in 0..10 {
+            let went_idle = spell(&mut w, t, Duration::from_secs(1));
+            t = went_idle + Duration::from_secs(1);
+        }
+        assert_eq!(w.idle_after(), base);
     }
 
     /// Random schedules of polls and nudges (seeded, so a failure replays): producers are asked
