@@ -461,3 +461,72 @@ async fn the_published_history_migration_reverts_and_reapplies_with_every_row() 
         "no row changed on the way"
     );
 }
+
+/// After a Redis data loss the retained window moves back into the outbox, every event with its
+/// id, event id and sequence; an event whose id a producer wrote again after it was published
+/// (the outbox then holds an event under that id) stays in the history instead of failing the
+/// move, and the recovery completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_loss_moves_the_window_back_even_when_an_event_id_was_written_again() {
+    let db = TestDb::new().await;
+    let again = uuid::Uuid::now_v7();
+    commit(
+        &db,
+        vec![
+            EventFact::new("order", "o1", "order.placed", json!({"n": 1})).event_id(again),
+            EventFact::new("order", "o2", "order.placed", json!({"n": 2})),
+        ],
+    )
+    .await;
+    support::publish_rows(&db, "TRUE", "now()").await;
+    let before = scalar(
+        &db,
+        "SELECT aggregate_seq FROM outpost_published WHERE aggregate_id = 'o2'",
+    )
+    .await;
+    // The producer writes the first event's id again (a retry that did not know its first
+    // transaction had committed): accepted, since the first one left the outbox.
+    commit(
+        &db,
+        vec![EventFact::new("order", "o1", "order.placed", json!({"n": 1})).event_id(again)],
+    )
+    .await;
+
+    let recovery = db
+        .store
+        .recover_redis_loss("a-new-run", 3600)
+        .await
+        .expect("the recovery runs")
+        .expect("the new run id is claimed");
+    assert_eq!(
+        recovery.republished, 1,
+        "o2's event moves back, o1's first stays"
+    );
+    assert_eq!(
+        scalar(
+            &db,
+            "SELECT count(*) FROM outpost_event WHERE status = 'pending'"
+        )
+        .await,
+        2,
+        "o2's event re-queued, o1's second write pending"
+    );
+    assert_eq!(
+        scalar(
+            &db,
+            "SELECT aggregate_seq FROM outpost_event WHERE aggregate_id = 'o2'"
+        )
+        .await,
+        before,
+        "the re-queued event keeps its sequence"
+    );
+    assert_eq!(
+        scalar(
+            &db,
+            &format!("SELECT count(*) FROM outpost_published WHERE event_id = '{again}'")
+        )
+        .await,
+        1,
+        "the first write of the repeated id stays in the history"
+    );
+}

@@ -316,6 +316,9 @@ impl Store {
             // The rows carry this transaction's id, so the insert trigger leaves their
             // sequence, partition and id as they are (the same bypass the producer API's
             // statement for many events uses); `txid` then names the re-queuing transaction.
+            // An event whose id a producer wrote again after it was published stays in the
+            // history: the outbox holds an event under that id already, which is published
+            // anyway, and the move must not fail on it (the recovery would never finish).
             let columns = super::claim::PUBLISHED_COLUMNS
                 .split(", ")
                 .map(|c| if c == "txid" { "txid_current()" } else { c })
@@ -323,8 +326,11 @@ impl Store {
                 .join(", ");
             txn.execute_raw(stmt(
                 &format!(
-                    "WITH back AS (DELETE FROM outpost_published \
-                       WHERE published_at >= now() - $1 * interval '1 second' RETURNING *) \
+                    "WITH back AS (DELETE FROM outpost_published p \
+                       WHERE p.published_at >= now() - $1 * interval '1 second' \
+                         AND NOT EXISTS (SELECT 1 FROM outpost_event e \
+                                         WHERE e.event_id = p.event_id) \
+                       RETURNING p.*) \
                      INSERT INTO outpost_event ({}, status, next_attempt_at) \
                      SELECT {columns}, 'pending', now() FROM back",
                     super::claim::PUBLISHED_COLUMNS
