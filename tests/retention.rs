@@ -45,14 +45,8 @@ async fn janitor_deletes_only_rows_past_their_window_in_bounded_batches() {
     let db = TestDb::new().await;
     commit(&db, facts(1000, "order.placed")).await;
     // 700 published two hours ago, 200 published just now, 100 still pending.
-    let first = scalar(&db, "SELECT min(id) FROM outpost_event").await;
-    support::publish_rows(
-        &db,
-        &format!("id <= {}", first + 699),
-        "now() - interval '2 hours'",
-    )
-    .await;
-    support::publish_rows(&db, &format!("id <= {}", first + 899), "now()").await;
+    db.store.age_as_published(Some(700), 7200).await.unwrap();
+    db.store.age_as_published(Some(200), 0).await.unwrap();
     // Old rows in the other states: quarantined stays, discarded and no_destination age out.
     exec(
         &db,
@@ -396,13 +390,7 @@ async fn hard_cap_counts_what_it_drops_and_streams_without_groups_are_kept_unles
 async fn the_published_history_migration_reverts_and_reapplies_with_every_row() {
     let db = TestDb::new().await;
     commit(&db, facts(30, "order.placed")).await;
-    let first = scalar(&db, "SELECT min(id) FROM outpost_event").await;
-    support::publish_rows(
-        &db,
-        &format!("id < {}", first + 20),
-        "now() - interval '5 minutes'",
-    )
-    .await;
+    db.store.age_as_published(Some(20), 300).await.unwrap();
     // Everything an event is, whichever table it sits in; delivery state apart.
     let fingerprint = "SELECT count(*) FROM ( \
           SELECT id, event_id, aggregate_type, aggregate_id, aggregate_seq, payload::text, \
@@ -419,7 +407,7 @@ async fn the_published_history_migration_reverts_and_reapplies_with_every_row() 
         scalar(
             &db,
             "SELECT count(*) FROM outpost_event WHERE status = 'published' \
-             AND published_at < now() - interval '4 minutes' AND stream_id = '1-0'"
+             AND published_at < now() - interval '4 minutes' AND stream_id = '0-0'"
         )
         .await,
         20,
@@ -478,7 +466,7 @@ async fn redis_loss_moves_the_window_back_even_when_an_event_id_was_written_agai
         ],
     )
     .await;
-    support::publish_rows(&db, "TRUE", "now()").await;
+    db.store.age_as_published(None, 0).await.unwrap();
     let before = scalar(
         &db,
         "SELECT aggregate_seq FROM outpost_published WHERE aggregate_id = 'o2'",

@@ -125,7 +125,7 @@ async fn cleanup(config: &Config, args: &RetentionBench, store: &Store) -> anyho
         noop(),
     )
     .await?;
-    store.age_as_published(2 * 86_400).await?;
+    store.age_as_published(None, 2 * 86_400).await?;
     store.vacuum_analyze_outbox().await?;
     let retention = config.retention.clone();
     println!(

@@ -132,15 +132,23 @@ impl Store {
         self.checkpoint().await
     }
 
-    /// Moves every row of the outbox to `outpost_published`, as published `secs` seconds ago
-    /// (`outpost bench retention`: old rows for the janitor to delete).
-    pub async fn age_as_published(&self, secs: u64) -> Result<u64, StoreError> {
+    /// Moves the `oldest` rows of the outbox by id (every row when `None`) to
+    /// `outpost_published`, as published `secs` seconds ago with entry id `0-0` (`outpost bench
+    /// retention`: old rows for the janitor to delete; tests: the state they start from).
+    pub async fn age_as_published(
+        &self,
+        oldest: Option<u64>,
+        secs: u64,
+    ) -> Result<u64, StoreError> {
         let columns = super::claim::PUBLISHED_COLUMNS;
+        let limit = oldest.map_or_else(|| "ALL".to_owned(), |n| n.to_string());
         let res = self
             .connection()
             .execute_raw(super::stmt(
                 &format!(
-                    "WITH moved AS (DELETE FROM outpost_event RETURNING {columns}) \
+                    "WITH moved AS (DELETE FROM outpost_event WHERE id IN ( \
+                       SELECT id FROM outpost_event ORDER BY id LIMIT {limit}) \
+                       RETURNING {columns}) \
                      INSERT INTO outpost_published ({columns}, published_at, stream_id) \
                      SELECT {columns}, now() - $1 * interval '1 second', '0-0' FROM moved"
                 ),

@@ -4,6 +4,8 @@
 //! is locked or marked "in flight". What keeps two nodes apart is the lease epoch, checked when
 //! results are recorded ([`Store::record_batch`]) and at Redis when publishing.
 
+use std::sync::LazyLock;
+
 use sea_orm::{ConnectionTrait, TransactionTrait, Value};
 
 use super::sql::{num_array, text_array};
@@ -171,29 +173,10 @@ impl Store {
         let epochs: Vec<i64> = leases.iter().map(|(_, e)| *e).collect();
         let ids: Vec<i64> = published.iter().map(|(id, _)| *id).collect();
         let sids: Vec<&str> = published.iter().map(|(_, s)| s.as_str()).collect();
-        let marked = if delete_published {
-            "marked AS (DELETE FROM outpost_event e USING unnest($4::int8[]) AS v(id) \
-             WHERE e.id = v.id AND e.partition IN (SELECT partition FROM lease) RETURNING 1)"
-                .to_owned()
-        } else {
-            move_published(
-                "$4",
-                "$5",
-                " AND e.partition IN (SELECT partition FROM lease)",
-            )
-        };
-        let sql = format!(
-            "WITH lease AS (SELECT p.partition FROM outpost_partition p \
-                            JOIN unnest($2::int4[], $3::int8[]) AS l(partition, epoch) \
-                              ON p.partition = l.partition AND p.epoch = l.epoch \
-                            WHERE p.owner = $1 ORDER BY p.partition FOR KEY SHARE OF p), \
-                  {marked} \
-             SELECT partition FROM lease"
-        );
         let rows = self
             .connection()
             .query_all_raw(stmt(
-                &sql,
+                mark_many_sql(delete_published),
                 [
                     node_id.into(),
                     num_array(&parts).into(),
@@ -279,8 +262,10 @@ impl Store {
                 .map_err(StoreError::from_db)?;
             } else {
                 let sids: Vec<&str> = result.published.iter().map(|(_, s)| s.as_str()).collect();
+                static MOVE: LazyLock<String> =
+                    LazyLock::new(|| format!("WITH {} SELECT 1", move_published("$1", "$2", "")));
                 txn.execute_raw(stmt(
-                    &format!("WITH {} SELECT 1", move_published("$1", "$2", "")),
+                    &MOVE,
                     [num_array(&ids).into(), text_array(&sids).into()],
                 ))
                 .await
@@ -355,6 +340,34 @@ impl Store {
 pub(super) const PUBLISHED_COLUMNS: &str = "id, event_id, aggregate_type, aggregate_id, \
      aggregate_seq, aggregate_version, event_type, schema_version, occurred_at, recorded_at, \
      payload, headers, destination, partition, txid, attempts";
+
+/// The statement of [`Store::mark_published_many`], built once per mode.
+fn mark_many_sql(delete_published: bool) -> &'static str {
+    fn build(delete_published: bool) -> String {
+        let marked = if delete_published {
+            "marked AS (DELETE FROM outpost_event e USING unnest($4::int8[]) AS v(id) \
+             WHERE e.id = v.id AND e.partition IN (SELECT partition FROM lease) RETURNING 1)"
+                .to_owned()
+        } else {
+            move_published(
+                "$4",
+                "$5",
+                " AND e.partition IN (SELECT partition FROM lease)",
+            )
+        };
+        format!(
+            "WITH lease AS (SELECT p.partition FROM outpost_partition p \
+                            JOIN unnest($2::int4[], $3::int8[]) AS l(partition, epoch) \
+                              ON p.partition = l.partition AND p.epoch = l.epoch \
+                            WHERE p.owner = $1 ORDER BY p.partition FOR KEY SHARE OF p), \
+                  {marked} \
+             SELECT partition FROM lease"
+        )
+    }
+    static DELETE: LazyLock<String> = LazyLock::new(|| build(true));
+    static MOVE: LazyLock<String> = LazyLock::new(|| build(false));
+    if delete_published { &DELETE } else { &MOVE }
+}
 
 /// Two common table expressions that move published rows from the outbox to
 /// `outpost_published`: `moved` deletes the outbox rows whose ids are in the array parameter

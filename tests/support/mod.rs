@@ -589,24 +589,6 @@ pub async fn migrations_from(db: &TestDb, name: &str) -> u32 {
     u32::try_from(names.len() - at).expect("a few migrations")
 }
 
-/// Moves the outbox rows that meet `filter` to `outpost_published` as the relay's mark does,
-/// published at `at` (an SQL expression), with entry id `1-0`: the state a test starts from.
-pub async fn publish_rows(db: &TestDb, filter: &str, at: &str) {
-    use sea_orm::ConnectionTrait;
-    const COLUMNS: &str = "id, event_id, aggregate_type, aggregate_id, aggregate_seq, \
-        aggregate_version, event_type, schema_version, occurred_at, recorded_at, payload, \
-        headers, destination, partition, txid, attempts";
-    db.store
-        .connection()
-        .execute_unprepared(&format!(
-            "WITH moved AS (DELETE FROM outpost_event WHERE {filter} RETURNING {COLUMNS}) \
-             INSERT INTO outpost_published ({COLUMNS}, published_at, stream_id) \
-             SELECT {COLUMNS}, {at}, '1-0' FROM moved"
-        ))
-        .await
-        .expect("publish rows");
-}
-
 /// Starts a relay node in this process (its own thread and actix system).
 pub async fn start_node(config: outpost::config::Config) -> outpost::dispatch::node::NodeHandle {
     init_logs();
