@@ -33,7 +33,9 @@ impl Scratch {
     pub async fn create(config: &Config, db_name: &'static str) -> anyhow::Result<Self> {
         let server = config.database.url()?.expose().to_owned();
         let redis_url = config.redis.url()?.expose().to_owned();
-        let redis = redis::Client::open(redis_url.as_str()).context("redis.url is not usable")?;
+        let redis = crate::publish::connection_info(&redis_url)
+            .and_then(redis::Client::open)
+            .context("redis.url is not usable")?;
         let rconn = redis_conn(&redis).await?;
         admin::drop_database(&server, db_name).await?;
         admin::create_database(&server, db_name, None).await?;

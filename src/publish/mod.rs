@@ -16,7 +16,7 @@ mod trim;
 
 use std::time::Duration;
 
-pub use conn::{RedisConn, Topology, companion_key, hash_tag, parse_seed};
+pub use conn::{RedisConn, Topology, companion_key, connection_info, hash_tag, parse_seed};
 pub use entry::{Entry, Message, entry_fields, field};
 pub use error::{ErrorClass, PublishError, classify_code};
 pub use recover::StreamPosition;
