@@ -226,10 +226,10 @@ impl ConnectionLike for RedisConn {
 }
 
 /// The connection settings of `url`, with `TCP_NODELAY` set (the redis crate leaves Nagle's
-/// algorithm on). Without it the kernel holds back the last, partly filled segment of a large
+/// algorithm on). Without it the kernel may hold back the last, partly filled segment of a large
 /// write until the previous one is acknowledged, and Redis, having no reply to send before the
-/// whole command arrived, delays that acknowledgement by up to 40 ms: a batch's pipeline of
-/// `XADD`s would stall for that long.
+/// whole command arrived, may delay that acknowledgement by up to 40 ms: a batch's pipeline of
+/// `XADD`s could stall for that long.
 pub fn connection_info(url: &str) -> RedisResult<ConnectionInfo> {
     let info = url.into_connection_info()?;
     let tcp = info.tcp_settings().clone().set_nodelay(true);
