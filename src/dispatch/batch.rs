@@ -197,7 +197,7 @@ impl Worker {
         };
         if !group.is_empty() {
             let (leases, senders): (Vec<LeaseRef>, Vec<_>) = group.into_iter().unzip();
-            let results = run_group(self, &leases, |_| {}).await;
+            let results = run_group(self, &leases, Claim::PerPartition, |_| {}).await;
             for (tx, result) in senders.into_iter().zip(results) {
                 let _ = tx.send(result);
             }
@@ -220,6 +220,16 @@ fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
+/// How a group's rows are read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Claim {
+    /// Partitions that asked for a batch, most with rows ready: a bounded read of each.
+    PerPartition,
+    /// The busy poll over the idle partitions, which mostly finds nothing or a row here and
+    /// there: one scan over them all ([`crate::store::Store::claim_polled`]).
+    Poll,
+}
+
 /// Runs one batch for each lease, sharing the statements; results in the order of `leases`.
 /// The group's rows stay within one batch's limits: each partition gets an equal part of
 /// `relay.batch_rows` and `relay.batch_bytes`. `claimed` learns, right after the claim, which
@@ -227,6 +237,7 @@ fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 pub async fn run_group(
     worker: &Worker,
     leases: &[LeaseRef],
+    claim: Claim,
     claimed: impl FnOnce(&[&LeaseRef]),
 ) -> Vec<Outcome> {
     let settings = &worker.shared.settings;
@@ -235,11 +246,17 @@ pub async fn run_group(
     let per_bytes = (settings.batch_bytes / u64::from(n)).max(1024);
     let partitions: Vec<i32> = leases.iter().map(|l| l.partition).collect();
     let started = Instant::now();
-    let rows = match worker
-        .store
-        .claim_many(&partitions, per_rows, per_bytes)
-        .await
-    {
+    let store = &worker.store;
+    let rows = match claim {
+        Claim::PerPartition => store.claim_many(&partitions, per_rows, per_bytes).await,
+        Claim::Poll => {
+            let cap = settings.batch_rows;
+            store
+                .claim_polled(&partitions, per_rows, per_bytes, cap)
+                .await
+        }
+    };
+    let rows = match rows {
         Ok(rows) => rows,
         Err(e) => {
             let e = BatchError::from(e);
@@ -547,25 +564,28 @@ impl Worker {
     /// Runs one batch for `lease` alone, with a full batch's limits: for a partition with a
     /// backlog, whose batches are large enough on their own.
     pub async fn run_alone(&self, lease: LeaseRef) -> Outcome {
-        self.run_together(std::slice::from_ref(&lease), |_| {})
+        let lease = std::slice::from_ref(&lease);
+        self.run_together(lease, Claim::PerPartition, |_| {})
             .await
             .pop()
             .unwrap_or(Ok(BatchOutcome::Idle))
     }
 
     /// Runs one group batch for `leases` in a batch slot of this worker: the supervisor's busy
-    /// poll, whose claim over the idle partitions is the poll itself. Results in the order of
-    /// `leases`; `claimed` as in [`run_group`].
+    /// poll, whose claim over the idle partitions is the poll itself (`claim` [`Claim::Poll`]),
+    /// or a partition's batch alone. Results in the order of `leases`; `claimed` as in
+    /// [`run_group`].
     pub async fn run_together(
         &self,
         leases: &[LeaseRef],
+        claim: Claim,
         claimed: impl FnOnce(&[&LeaseRef]),
     ) -> Vec<Outcome> {
         let Ok(_permit) = self.slots.acquire().await else {
             let e = BatchError::Transient("the worker is shutting down".to_owned());
             return leases.iter().map(|_| Err(e.clone())).collect();
         };
-        run_group(self, leases, claimed).await
+        run_group(self, leases, claim, claimed).await
     }
 }
 

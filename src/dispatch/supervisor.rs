@@ -29,7 +29,7 @@ use futures::FutureExt;
 use metrics::{counter, gauge};
 use tokio::sync::oneshot;
 
-use super::batch::{BatchError, BatchOutcome, Shared, Worker};
+use super::batch::{BatchError, BatchOutcome, Claim, Shared, Worker};
 use super::partition::{PartitionActor, PartitionReport, Stop, Wake, panic_message};
 use super::wakeup::{Action, WakePolicy, Wakeup};
 use crate::metrics as m;
@@ -685,9 +685,13 @@ impl NodeSupervisor {
                     });
                 }
             };
-            let outcomes = match AssertUnwindSafe(worker.run_together(&leases, found_nothing))
-                .catch_unwind()
-                .await
+            let outcomes = match AssertUnwindSafe(worker.run_together(
+                &leases,
+                Claim::Poll,
+                found_nothing,
+            ))
+            .catch_unwind()
+            .await
             {
                 Ok(outcomes) => outcomes,
                 Err(panic) => {
