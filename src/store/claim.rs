@@ -143,10 +143,10 @@ impl Store {
     }
 
     /// What [`Store::claim_many`] returns, for a poll of partitions that mostly have nothing or
-    /// a few rows ready: one index scan over all of them (about a third of the per-partition
-    /// statement's cost over 64 partitions), the bounds applied as the rows come. Only when
-    /// more than `cap` rows are ready, which a scan in partition order cannot share out fairly,
-    /// does it read them again with [`Store::claim_many`].
+    /// a few rows ready: one index scan over all of them (58.8 µs against the per-partition
+    /// statement's 96.9 µs over 64 partitions at 100 events/s), the bounds applied as the rows
+    /// come. Only when more than `cap` rows are ready, which a scan in partition order cannot
+    /// share out fairly, does it read them again with [`Store::claim_many`].
     pub async fn claim_polled(
         &self,
         partitions: &[i32],
