@@ -1,5 +1,5 @@
 //! The relay against real PostgreSQL and Redis: order, loss, out-of-order commits, poison,
-//! database session loss, wake-ups, graceful shutdown.
+//! database session loss, locks on and columns added to the outbox, wake-ups, graceful shutdown.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -319,6 +319,146 @@ async fn terminated_database_sessions_are_survived_without_loss() {
         "nothing lost"
     );
     assert!(d.order_violations().is_empty());
+    node.shutdown().await;
+}
+
+/// Every id delivered, none twice, each aggregate in sequence order.
+fn assert_once_in_order(d: &Deliveries, ids: &[String]) {
+    assert!(
+        ids.iter().all(|id| d.copies.contains_key(id)),
+        "nothing lost"
+    );
+    assert_eq!(d.duplicates(), 0, "nothing published twice");
+    assert!(d.order_violations().is_empty());
+}
+
+/// Ten transactions of ten events over aggregates `a0`..`a9` of `kind0`, one after the other.
+async fn commit_hundred(store: outpost::store::Store, round: u32) -> Vec<String> {
+    let mut ids = Vec::new();
+    for tx in 0..10 {
+        let facts = (0..10)
+            .map(|i| EventFact::new("kind0", format!("a{i}"), "t", json!({"r": round, "tx": tx})))
+            .collect();
+        ids.extend(support::commit_facts(&store, facts).await);
+    }
+    ids
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lock_on_the_outbox_longer_than_a_lease_delays_delivery_but_costs_no_lease() {
+    // An operator's `ALTER TABLE`, `VACUUM FULL` or `LOCK TABLE` holds the outbox in ACCESS
+    // EXCLUSIVE mode: producers and the node's claims wait behind it. The node must keep its
+    // leases meanwhile (their renewal never reads the outbox), and deliver everything once the
+    // lock is gone, in order and once each.
+    let db = TestDb::new().await;
+    let redis = TestRedis::new();
+    let node = support::start_node(relay_config(&db, &redis, "lock-node")).await;
+    let mut ids = commit_hundred(db.store.clone(), 0).await;
+    wait_delivered(&redis, ids.len(), 60).await;
+    let epochs = scalar(&db, "SELECT sum(epoch)::int8 FROM outpost_partition").await;
+
+    let lock = db.store.connection().begin().await.unwrap();
+    lock.execute_unprepared("LOCK TABLE outpost_event IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let locked_ms: i64 = lock
+        .query_one_raw(Statement::from_string(
+            DbBackend::Postgres,
+            "SELECT (extract(epoch FROM clock_timestamp()) * 1000)::int8",
+        ))
+        .await
+        .unwrap()
+        .unwrap()
+        .try_get_by_index(0)
+        .unwrap();
+    let writer = tokio::spawn(commit_hundred(db.store.clone(), 1));
+    wait_until(30, "a producer waiting for the lock", || async {
+        scalar(
+            &db,
+            "SELECT count(*) FROM pg_locks \
+             WHERE relation = 'outpost_event'::regclass AND NOT granted",
+        )
+        .await
+            >= 1
+    })
+    .await;
+    // More than a lease length (2 s) passes with the outbox locked, and the node renews every
+    // lease after that: without those renewals every lease would have expired by then.
+    wait_until(
+        30,
+        "every lease renewed a lease length after the lock",
+        || async {
+            scalar(
+                &db,
+                &format!(
+                    "SELECT count(*) FROM outpost_partition WHERE owner = 'lock-node' \
+                 AND lease_until > to_timestamp({locked_ms} / 1000.0) + interval '4 seconds'"
+                ),
+            )
+            .await
+                == 64
+        },
+    )
+    .await;
+    assert!(
+        !writer.is_finished(),
+        "the producer still waits for the lock"
+    );
+    lock.commit().await.unwrap();
+
+    ids.extend(writer.await.unwrap());
+    let d = wait_delivered(&redis, ids.len(), 60).await;
+    assert_once_in_order(&d, &ids);
+    assert_eq!(
+        scalar(&db, "SELECT sum(epoch)::int8 FROM outpost_partition").await,
+        epochs,
+        "no lease was lost and taken again"
+    );
+    assert_all_published(&db).await;
+    node.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn columns_added_to_the_outbox_while_a_node_runs_change_nothing() {
+    // Teams add columns of their own to the outbox (a tenant, a region) while nodes run: the
+    // node's prepared statements are planned again and keep their shape, producers of either
+    // kind keep writing, and the published history takes the rows without the new columns.
+    let db = TestDb::new().await;
+    let redis = TestRedis::new();
+    let node = support::start_node(relay_config(&db, &redis, "column-node")).await;
+    let mut ids = commit_hundred(db.store.clone(), 0).await;
+    wait_delivered(&redis, ids.len(), 60).await;
+
+    db.store
+        .connection()
+        .execute_unprepared(
+            "ALTER TABLE outpost_event ADD COLUMN tenant text; \
+             ALTER TABLE outpost_event ADD COLUMN region text NOT NULL DEFAULT 'eu'",
+        )
+        .await
+        .unwrap();
+    ids.extend(commit_hundred(db.store.clone(), 1).await);
+    for i in 0..10 {
+        let id = uuid::Uuid::new_v4().to_string();
+        db.store
+            .connection()
+            .execute_unprepared(&format!(
+                "INSERT INTO outpost_event \
+                   (event_id, aggregate_type, aggregate_id, event_type, payload, tenant) \
+                 VALUES ('{id}', 'kind0', 'a{i}', 't', '{{\"plain\": true}}', 'acme')"
+            ))
+            .await
+            .unwrap();
+        ids.push(id);
+    }
+
+    let d = wait_delivered(&redis, ids.len(), 60).await;
+    assert_once_in_order(&d, &ids);
+    assert_all_published(&db).await;
+    assert_eq!(
+        scalar(&db, "SELECT count(*) FROM outpost_published").await,
+        i64::try_from(ids.len()).unwrap()
+    );
     node.shutdown().await;
 }
 
