@@ -194,10 +194,6 @@ pub struct NodeSupervisor {
     to_release: Vec<Lease>,
     worked_since_backlog: bool,
     last_backlog: Instant,
-    /// A backlog count is under way (it reads the outbox, and may wait for a lock on it).
-    counting: bool,
-    /// The last tick found the outbox locked by another session.
-    outbox_locked: bool,
     /// The Redis run id whose streams were last checked (see [`super::redis_loss`]).
     checked_run_id: Option<String>,
     /// A check of Redis's streams or a recording of positions is under way.
@@ -249,8 +245,6 @@ impl NodeSupervisor {
             last_backlog: Instant::now()
                 .checked_sub(BACKLOG_EVERY)
                 .unwrap_or_else(Instant::now),
-            counting: false,
-            outbox_locked: false,
         }
     }
 
@@ -332,7 +326,6 @@ impl NodeSupervisor {
         let LeaseTick {
             held,
             ready,
-            outbox_locked: _,
             live_nodes: live,
             rank,
             partitions,
@@ -488,17 +481,11 @@ impl NodeSupervisor {
         let (store, publisher) = (self.store.clone(), self.publisher.clone());
         let node = self.settings.node_id.clone();
         let lease_ms = ms(self.settings.lease);
-        // How long the tick's poll may wait for a lock on the outbox before the tick renews
-        // without it: a quarter of a heartbeat.
-        let outbox_wait = self.settings.heartbeat / 4;
         let started = Instant::now();
         ctx.spawn(
             async move {
                 let facts = publisher.server_facts().await;
-                let tick = store
-                    .lease_tick(&node, lease_ms, lease_ms, outbox_wait)
-                    .await;
-                (tick, facts)
+                (store.lease_tick(&node, lease_ms, lease_ms).await, facts)
             }
             .into_actor(self)
             .map(move |(res, facts), act, ctx| {
@@ -510,18 +497,6 @@ impl NodeSupervisor {
                 match res {
                     Ok(tick) => {
                         act.health.database.store(true, Ordering::Relaxed);
-                        if tick.outbox_locked != act.outbox_locked {
-                            act.outbox_locked = tick.outbox_locked;
-                            if tick.outbox_locked {
-                                tracing::warn!(
-                                    "another session holds a lock on outpost_event (an ALTER \
-                                     TABLE, a VACUUM FULL, or one waiting behind a long query): \
-                                     publishing waits for it; the leases are kept"
-                                );
-                            } else {
-                                tracing::info!("the lock on outpost_event is gone");
-                            }
-                        }
                         // Keep a margin of one heartbeat plus a fifth of the lease.
                         let margin = act.settings.heartbeat + act.settings.lease / 5;
                         let until = started + act.settings.lease.saturating_sub(margin);
@@ -603,9 +578,7 @@ impl NodeSupervisor {
     /// Backlog gauges: refreshed at most every 15 s, and only after work was done, so an idle
     /// node stays within its query budget.
     fn refresh_backlog(&mut self, ctx: &mut Context<Self>) {
-        // One count at a time: a count waiting for a lock on the outbox must not be joined by
-        // another every period until the supervisor's pool has no connection left for its ticks.
-        if self.counting || self.last_backlog.elapsed() < BACKLOG_EVERY {
+        if self.last_backlog.elapsed() < BACKLOG_EVERY {
             return;
         }
         // Counting scans the outbox, so the nodes take turns: one node counts per period (a
@@ -614,12 +587,10 @@ impl NodeSupervisor {
         let may_count = std::mem::take(&mut self.worked_since_backlog);
         self.last_backlog = Instant::now();
         let store = self.store.clone();
-        self.counting = true;
         ctx.spawn(
             async move { store.shared_backlog(BACKLOG_EVERY, may_count).await }
                 .into_actor(self)
-                .map(|res, act, _ctx| {
-                    act.counting = false;
+                .map(|res, _act, _ctx| {
                     if let Ok(b) = res {
                         for s in [
                             "pending",

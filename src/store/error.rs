@@ -58,8 +58,6 @@ pub enum DbErrorKind {
     Connection,
     /// 40001 / 40P01: serialization failure or deadlock; safe to retry the transaction.
     Retryable,
-    /// 55P03: a lock was not granted within the session's `lock_timeout` (or `NOWAIT`).
-    LockNotAvailable,
     /// Anything else.
     Other,
 }
@@ -82,7 +80,6 @@ pub fn classify(err: &DbErr) -> DbErrorKind {
                 c if c.starts_with("22") => DbErrorKind::InvalidRow(constraint),
                 "42P01" => DbErrorKind::UndefinedTable,
                 "40001" | "40P01" => DbErrorKind::Retryable,
-                "55P03" => DbErrorKind::LockNotAvailable,
                 c if c.starts_with("08") || c.starts_with("57P") => DbErrorKind::Connection,
                 _ => DbErrorKind::Other,
             }
@@ -109,21 +106,16 @@ impl StoreError {
                     detail: err.to_string(),
                 }
             }
-            DbErrorKind::Retryable | DbErrorKind::LockNotAvailable | DbErrorKind::Other => {
-                StoreError::Db(err)
-            }
+            DbErrorKind::Retryable | DbErrorKind::Other => StoreError::Db(err),
         }
     }
 
     /// True when the operation may succeed if retried after a pause (the database was
-    /// unreachable, a transaction lost a serialization race, or a lock was not granted in time).
+    /// unreachable, or a transaction lost a serialization race).
     pub fn is_transient(&self) -> bool {
         match self {
             StoreError::Unavailable(_) => true,
-            StoreError::Db(e) => matches!(
-                classify(e),
-                DbErrorKind::Retryable | DbErrorKind::LockNotAvailable
-            ),
+            StoreError::Db(e) => classify(e) == DbErrorKind::Retryable,
             _ => false,
         }
     }
