@@ -1,5 +1,5 @@
 //! The relay against real PostgreSQL and Redis: order, loss, out-of-order commits, poison,
-//! database session loss, wake-ups, graceful shutdown.
+//! database session loss, columns added to the outbox, wake-ups, graceful shutdown.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -322,6 +322,72 @@ async fn terminated_database_sessions_are_survived_without_loss() {
     node.shutdown().await;
 }
 
+/// Every id delivered, none twice, each aggregate in sequence order.
+fn assert_once_in_order(d: &Deliveries, ids: &[String]) {
+    assert!(
+        ids.iter().all(|id| d.copies.contains_key(id)),
+        "nothing lost"
+    );
+    assert_eq!(d.duplicates(), 0, "nothing published twice");
+    assert!(d.order_violations().is_empty());
+}
+
+/// Ten transactions of ten events over aggregates `a0`..`a9` of `kind0`, one after the other.
+async fn commit_hundred(store: outpost::store::Store, round: u32) -> Vec<String> {
+    let mut ids = Vec::new();
+    for tx in 0..10 {
+        let facts = (0..10)
+            .map(|i| EventFact::new("kind0", format!("a{i}"), "t", json!({"r": round, "tx": tx})))
+            .collect();
+        ids.extend(support::commit_facts(&store, facts).await);
+    }
+    ids
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn columns_added_to_the_outbox_while_a_node_runs_change_nothing() {
+    // Teams add columns of their own to the outbox (a tenant, a region) while nodes run: the
+    // node's prepared statements are planned again and keep their shape, producers of either
+    // kind keep writing, and the published history takes the rows without the new columns.
+    let db = TestDb::new().await;
+    let redis = TestRedis::new();
+    let node = support::start_node(relay_config(&db, &redis, "column-node")).await;
+    let mut ids = commit_hundred(db.store.clone(), 0).await;
+    wait_delivered(&redis, ids.len(), 60).await;
+
+    db.store
+        .connection()
+        .execute_unprepared(
+            "ALTER TABLE outpost_event ADD COLUMN tenant text; \
+             ALTER TABLE outpost_event ADD COLUMN region text NOT NULL DEFAULT 'eu'",
+        )
+        .await
+        .unwrap();
+    ids.extend(commit_hundred(db.store.clone(), 1).await);
+    for i in 0..10 {
+        let id = uuid::Uuid::new_v4().to_string();
+        db.store
+            .connection()
+            .execute_unprepared(&format!(
+                "INSERT INTO outpost_event \
+                   (event_id, aggregate_type, aggregate_id, event_type, payload, tenant) \
+                 VALUES ('{id}', 'kind0', 'a{i}', 't', '{{\"plain\": true}}', 'acme')"
+            ))
+            .await
+            .unwrap();
+        ids.push(id);
+    }
+
+    let d = wait_delivered(&redis, ids.len(), 60).await;
+    assert_once_in_order(&d, &ids);
+    assert_all_published(&db).await;
+    assert_eq!(
+        scalar(&db, "SELECT count(*) FROM outpost_published").await,
+        i64::try_from(ids.len()).unwrap()
+    );
+    node.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_missed_nudge_waits_for_the_scheduled_poll() {
     let db = TestDb::new().await;
@@ -373,6 +439,72 @@ async fn with_a_long_heartbeat_the_nudge_delivers() {
     let id = commit(&db, vec![EventFact::new("kind0", "a", "t", json!({}))]).await;
     let d = wait_delivered(&redis, 1, 10).await;
     assert!(d.copies.contains_key(&id[0]));
+    node.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_request_for_nudges_is_made_again() {
+    // A node going idle asks producers to nudge it. When that update fails, the node must not
+    // wait for nudges nobody sends: it keeps polling and asks again.
+    let db = TestDb::new().await;
+    let redis = TestRedis::new();
+    let config = support::relay_config_for(
+        &db,
+        &redis,
+        "ask-node",
+        &[
+            ("relay.idle_after_ms", "50"),
+            ("node.heartbeat_ms", "20000"),
+            ("node.lease_ms", "60000"),
+        ],
+    );
+    let node = support::start_node(config).await;
+    wait_for_idle_node(&db).await;
+    // From now on every request for nudges fails, and is counted (a sequence is not rolled back
+    // with the failed update).
+    db.store
+        .connection()
+        .execute_unprepared(
+            "CREATE SEQUENCE ask_attempts; \
+             CREATE FUNCTION refuse_ask() RETURNS trigger LANGUAGE plpgsql AS $$ \
+             BEGIN PERFORM nextval('ask_attempts'); RAISE EXCEPTION 'refused for the test'; END $$; \
+             CREATE TRIGGER refuse_ask BEFORE UPDATE OF wants_nudge ON outpost_node \
+             FOR EACH ROW WHEN (NEW.wants_nudge AND NOT OLD.wants_nudge) \
+             EXECUTE FUNCTION refuse_ask()",
+        )
+        .await
+        .unwrap();
+    let attempts = "SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM ask_attempts";
+    // An event wakes the node (its nudge); the node then goes idle again, and its request fails.
+    let mut ids = commit(
+        &db,
+        vec![EventFact::new("kind0", "a", "t", json!({"n": 1}))],
+    )
+    .await;
+    wait_delivered(&redis, 1, 10).await;
+    wait_until(
+        10,
+        "the node to ask again after its request failed",
+        || async { scalar(&db, attempts).await >= 2 },
+    )
+    .await;
+    db.store
+        .connection()
+        .execute_unprepared("DROP TRIGGER refuse_ask ON outpost_node")
+        .await
+        .unwrap();
+    // Its next request goes through; an event committed after it is nudged and delivered long
+    // before the scheduled poll, twenty seconds away.
+    wait_for_idle_node(&db).await;
+    ids.extend(
+        commit(
+            &db,
+            vec![EventFact::new("kind0", "a", "t", json!({"n": 2}))],
+        )
+        .await,
+    );
+    let d = wait_delivered(&redis, 2, 10).await;
+    assert_once_in_order(&d, &ids);
     node.shutdown().await;
 }
 

@@ -194,6 +194,8 @@ pub struct NodeSupervisor {
     to_release: Vec<Lease>,
     worked_since_backlog: bool,
     last_backlog: Instant,
+    /// A backlog count is under way (it reads the outbox, and may wait for a lock on it).
+    counting: bool,
     /// The Redis run id whose streams were last checked (see [`super::redis_loss`]).
     checked_run_id: Option<String>,
     /// A check of Redis's streams or a recording of positions is under way.
@@ -245,6 +247,7 @@ impl NodeSupervisor {
             last_backlog: Instant::now()
                 .checked_sub(BACKLOG_EVERY)
                 .unwrap_or_else(Instant::now),
+            counting: false,
         }
     }
 
@@ -578,7 +581,9 @@ impl NodeSupervisor {
     /// Backlog gauges: refreshed at most every 15 s, and only after work was done, so an idle
     /// node stays within its query budget.
     fn refresh_backlog(&mut self, ctx: &mut Context<Self>) {
-        if self.last_backlog.elapsed() < BACKLOG_EVERY {
+        // One count at a time: a count waiting for a lock on the outbox must not be joined by
+        // another every period until the supervisor's pool has no connection left for its ticks.
+        if self.counting || self.last_backlog.elapsed() < BACKLOG_EVERY {
             return;
         }
         // Counting scans the outbox, so the nodes take turns: one node counts per period (a
@@ -587,10 +592,12 @@ impl NodeSupervisor {
         let may_count = std::mem::take(&mut self.worked_since_backlog);
         self.last_backlog = Instant::now();
         let store = self.store.clone();
+        self.counting = true;
         ctx.spawn(
             async move { store.shared_backlog(BACKLOG_EVERY, may_count).await }
                 .into_actor(self)
-                .map(|res, _act, _ctx| {
+                .map(|res, act, _ctx| {
+                    act.counting = false;
                     if let Ok(b) = res {
                         for s in [
                             "pending",
@@ -668,8 +675,13 @@ impl NodeSupervisor {
             })
             .collect();
         if idle.is_empty() {
-            let busy = self.slots.values().any(|s| s.state == SlotState::Busy);
-            self.record_poll(busy || self.polls > 0, ctx);
+            // With a poll under way holding the partitions, it reports what it found when it
+            // ends. Counting it as work here would keep a node whose claims take longer than
+            // `busy_poll` from ever going idle, polling an empty outbox every `busy_poll`.
+            if self.polls == 0 {
+                let busy = self.slots.values().any(|s| s.state == SlotState::Busy);
+                self.record_poll(busy, ctx);
+            }
             return;
         }
         self.poll_turn = poll;
@@ -817,7 +829,17 @@ impl NodeSupervisor {
                     // not left waiting for the scheduled poll.
                     Ok(()) if wants => act.schedule_poll(ctx, Duration::ZERO),
                     Ok(()) => {}
-                    Err(e) => tracing::warn!(error = %e, "updating wants_nudge failed"),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "updating wants_nudge failed");
+                        if wants {
+                            // Producers were not asked to NOTIFY: keep polling, and ask again
+                            // after the next spell without work.
+                            act.wake.ask_failed(Instant::now());
+                            if let Some(wait) = act.wake.next_wait() {
+                                act.schedule_poll(ctx, wait);
+                            }
+                        }
+                    }
                 }),
         );
     }

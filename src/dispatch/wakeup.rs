@@ -131,6 +131,18 @@ impl Wakeup {
         self.wake(now)
     }
 
+    /// The request for nudges ([`Action::AskForNudges`]) failed: producers will not NOTIFY, so
+    /// the node is busy again at `now`, polling, and asks again after the wait before going
+    /// idle, doubled (up to [`MAX_IDLE_AFTER_FACTOR`] × `idle_after`), so a request that keeps
+    /// failing is not repeated at every short pause.
+    pub fn ask_failed(&mut self, now: Instant) {
+        if self.is_idle() {
+            self.mode = Mode::Busy { since_work: now };
+            self.idle_after =
+                (self.idle_after * 2).min(self.policy.idle_after * MAX_IDLE_AFTER_FACTOR);
+        }
+    }
+
     /// How long to wait before the next poll: `busy_poll` while busy; `None` while idle, when
     /// only a nudge or the caller's scheduled poll ends the wait.
     pub fn next_wait(&self) -> Option<Duration> {
@@ -190,6 +202,39 @@ mod tests {
             "idle: only a nudge or the scheduled poll"
         );
         assert_eq!(w.polled(false, now + Duration::from_secs(1)), Action::None);
+    }
+
+    #[test]
+    fn a_failed_request_for_nudges_keeps_polling_and_asks_again() {
+        let t0 = Instant::now();
+        let mut w = Wakeup::new(policy(), t0);
+        let went_idle = t0 + Duration::from_millis(20);
+        assert_eq!(w.polled(false, went_idle), Action::AskForNudges);
+        w.ask_failed(went_idle);
+        assert!(!w.is_idle(), "busy again: producers were not asked");
+        assert_eq!(w.next_wait(), Some(Duration::from_millis(2)));
+        assert_eq!(w.idle_after(), Duration::from_millis(40), "a longer wait");
+        assert_eq!(
+            w.polled(false, went_idle + Duration::from_millis(39)),
+            Action::None
+        );
+        assert_eq!(
+            w.polled(false, went_idle + Duration::from_millis(40)),
+            Action::AskForNudges,
+            "asks again after the longer wait"
+        );
+        let mut now = went_idle + Duration::from_millis(40);
+        w.ask_failed(now);
+        for _ in 0..10 {
+            now += Duration::from_secs(1);
+            assert_eq!(w.polled(false, now), Action::AskForNudges);
+            w.ask_failed(now);
+        }
+        assert_eq!(
+            w.idle_after(),
+            Duration::from_millis(20) * MAX_IDLE_AFTER_FACTOR,
+            "up to the cap"
+        );
     }
 
     #[test]
