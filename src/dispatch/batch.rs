@@ -247,8 +247,6 @@ pub async fn run_group(
     let partitions: Vec<i32> = leases.iter().map(|l| l.partition).collect();
     let started = Instant::now();
     let store = &worker.store;
-    // A slow claim, for tests (`sleep(ms)`): a busy poll that outlasts the pause between polls.
-    fail::fail_point!("claim");
     let rows = match claim {
         Claim::PerPartition => store.claim_many(&partitions, per_rows, per_bytes).await,
         Claim::Poll => {
