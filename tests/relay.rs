@@ -18,14 +18,7 @@ use support::{
 };
 
 async fn commit(db: &TestDb, facts: Vec<EventFact>) -> Vec<String> {
-    let txn = db.store.connection().begin().await.unwrap();
-    let ids = facts.iter().map(|f| f.id().to_string()).collect();
-    Producer::default()
-        .enqueue_facts(&txn, facts)
-        .await
-        .unwrap();
-    txn.commit().await.unwrap();
-    ids
+    support::commit_facts(&db.store, facts).await
 }
 
 async fn wait_delivered(redis: &TestRedis, n: usize, secs: u64) -> Deliveries {
@@ -333,13 +326,13 @@ fn assert_once_in_order(d: &Deliveries, ids: &[String]) {
 }
 
 /// Ten transactions of ten events over aggregates `a0`..`a9` of `kind0`, one after the other.
-async fn commit_hundred(store: outpost::store::Store, round: u32) -> Vec<String> {
+async fn commit_hundred(db: &TestDb, round: u32) -> Vec<String> {
     let mut ids = Vec::new();
     for tx in 0..10 {
         let facts = (0..10)
             .map(|i| EventFact::new("kind0", format!("a{i}"), "t", json!({"r": round, "tx": tx})))
             .collect();
-        ids.extend(support::commit_facts(&store, facts).await);
+        ids.extend(commit(db, facts).await);
     }
     ids
 }
@@ -352,7 +345,7 @@ async fn columns_added_to_the_outbox_while_a_node_runs_change_nothing() {
     let db = TestDb::new().await;
     let redis = TestRedis::new();
     let node = support::start_node(relay_config(&db, &redis, "column-node")).await;
-    let mut ids = commit_hundred(db.store.clone(), 0).await;
+    let mut ids = commit_hundred(&db, 0).await;
     wait_delivered(&redis, ids.len(), 60).await;
 
     db.store
@@ -363,7 +356,7 @@ async fn columns_added_to_the_outbox_while_a_node_runs_change_nothing() {
         )
         .await
         .unwrap();
-    ids.extend(commit_hundred(db.store.clone(), 1).await);
+    ids.extend(commit_hundred(&db, 1).await);
     for i in 0..10 {
         let id = uuid::Uuid::new_v4().to_string();
         db.store

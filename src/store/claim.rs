@@ -377,7 +377,7 @@ const CLAIM_COLUMNS: &str = "w.id, w.event_id, w.aggregate_type, w.aggregate_id,
      w.payload::text, w.headers::text, w.destination, w.attempts, w.partition";
 
 fn claimed_event(r: &sea_orm::QueryResult) -> Result<ClaimedEvent, StoreError> {
-    let g = |e| StoreError::from_db(e);
+    let g = StoreError::from_db;
     Ok(ClaimedEvent {
         id: r.try_get_by_index(0).map_err(g)?,
         event_id: r.try_get_by_index(1).map_err(g)?,
