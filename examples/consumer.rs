@@ -82,6 +82,7 @@ async fn main() -> anyhow::Result<()> {
         connect_timeout: std::time::Duration::from_secs(5),
         application_name: "outpost example consumer".into(),
         relay_worker: false,
+        lock_timeout: None,
     })
     .await?;
     // The helper's tables (outpost_inbox, outpost_consumer_position) and the projection.

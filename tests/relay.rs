@@ -1,5 +1,5 @@
 //! The relay against real PostgreSQL and Redis: order, loss, out-of-order commits, poison,
-//! database session loss, columns added to the outbox, wake-ups, graceful shutdown.
+//! database session loss, locks on and columns added to the outbox, wake-ups, graceful shutdown.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -335,6 +335,86 @@ async fn commit_hundred(db: &TestDb, round: u32) -> Vec<String> {
         ids.extend(commit(db, facts).await);
     }
     ids
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lock_on_the_outbox_longer_than_a_lease_delays_delivery_but_costs_no_lease() {
+    // An operator's `ALTER TABLE`, `VACUUM FULL` or `LOCK TABLE` holds the outbox in ACCESS
+    // EXCLUSIVE mode: producers and the node's claims wait behind it. The node must keep its
+    // leases meanwhile (their renewal gives up on the outbox and renews without reading it), and
+    // deliver everything once the lock is gone, in order and once each.
+    let db = TestDb::new().await;
+    let redis = TestRedis::new();
+    let node = support::start_node(relay_config(&db, &redis, "lock-node")).await;
+    let mut ids = commit_hundred(&db, 0).await;
+    wait_delivered(&redis, ids.len(), 60).await;
+    let epochs = scalar(&db, "SELECT sum(epoch)::int8 FROM outpost_partition").await;
+
+    let lock = db.store.connection().begin().await.unwrap();
+    lock.execute_unprepared("LOCK TABLE outpost_event IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let locked_ms: i64 = lock
+        .query_one_raw(Statement::from_string(
+            DbBackend::Postgres,
+            "SELECT (extract(epoch FROM clock_timestamp()) * 1000)::int8",
+        ))
+        .await
+        .unwrap()
+        .unwrap()
+        .try_get_by_index(0)
+        .unwrap();
+    let store = db.store.clone();
+    let writer = tokio::spawn(async move {
+        let facts = (0..10)
+            .map(|i| EventFact::new("kind0", format!("a{i}"), "t", json!({"while": "locked"})))
+            .collect();
+        support::commit_facts(&store, facts).await
+    });
+    wait_until(30, "a producer waiting for the lock", || async {
+        scalar(
+            &db,
+            "SELECT count(*) FROM pg_locks \
+             WHERE relation = 'outpost_event'::regclass AND NOT granted",
+        )
+        .await
+            >= 1
+    })
+    .await;
+    // More than a lease length (2 s) passes with the outbox locked, and the node renews every
+    // lease after that: without those renewals every lease would have expired by then.
+    wait_until(
+        30,
+        "every lease renewed a lease length after the lock",
+        || async {
+            scalar(
+                &db,
+                &format!(
+                    "SELECT count(*) FROM outpost_partition WHERE owner = 'lock-node' \
+                     AND lease_until > to_timestamp({locked_ms} / 1000.0) + interval '4 seconds'"
+                ),
+            )
+            .await
+                == 64
+        },
+    )
+    .await;
+    assert!(
+        !writer.is_finished(),
+        "the producer still waits for the lock"
+    );
+    lock.commit().await.unwrap();
+
+    ids.extend(writer.await.unwrap());
+    let d = wait_delivered(&redis, ids.len(), 60).await;
+    assert_once_in_order(&d, &ids);
+    assert_eq!(
+        scalar(&db, "SELECT sum(epoch)::int8 FROM outpost_partition").await,
+        epochs,
+        "no lease was lost and taken again"
+    );
+    assert_all_published(&db).await;
+    node.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -893,6 +973,7 @@ async fn worker_sessions_commit_asynchronously_and_use_generic_plans() {
             connect_timeout: std::time::Duration::from_secs(10),
             application_name: "outpost test".to_owned(),
             relay_worker,
+            lock_timeout: None,
         })
         .await
         .unwrap();

@@ -86,6 +86,7 @@ async fn producer(config: &Config, args: ProducerBench) -> anyhow::Result<()> {
         connect_timeout: Duration::from_secs(10),
         application_name: "outpost bench".to_owned(),
         relay_worker: false,
+        lock_timeout: None,
     };
     let store = Store::connect(&settings).await?;
     store::migrate_up(&store).await?;

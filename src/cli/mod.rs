@@ -177,6 +177,7 @@ pub(crate) async fn connect(config: &Config, purpose: &str) -> anyhow::Result<St
         connect_timeout: Duration::from_millis(config.database.connect_timeout_ms),
         application_name: format!("outpost {purpose}"),
         relay_worker: false,
+        lock_timeout: None,
     })
     .await
     .with_context(|| format!("connecting to the database at {url}"))

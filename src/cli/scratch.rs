@@ -61,6 +61,7 @@ impl Scratch {
             connect_timeout: Duration::from_secs(10),
             application_name: format!("outpost bench {bench}"),
             relay_worker: false,
+            lock_timeout: None,
         })
         .await?;
         store::migrate_up(&store).await?;

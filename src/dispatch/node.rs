@@ -196,6 +196,7 @@ async fn boot(config: Config) -> Result<Booted, NodeError> {
         connect_timeout: config.database.connect_timeout(),
         application_name: format!("outpost {purpose} {node_id}"),
         relay_worker,
+        lock_timeout: None,
     };
 
     let store = Store::connect(&connect("supervisor", 4, false)).await?;
@@ -305,6 +306,13 @@ async fn boot(config: Config) -> Result<Booted, NodeError> {
         refuse_eviction,
         checked_run_id,
     };
+    // The ticks' own session, whose lock waits end after a quarter of a heartbeat: a lock on the
+    // outbox then delays publishing but never the renewal of the leases (`Store::lease_tick`).
+    let tick_store = Store::connect(&ConnectSettings {
+        lock_timeout: Some(config.node.heartbeat() / 4),
+        ..connect("heartbeat", 1, false)
+    })
+    .await?;
     let supervisor = NodeSupervisor::new(
         settings,
         store.clone(),
@@ -314,6 +322,7 @@ async fn boot(config: Config) -> Result<Booted, NodeError> {
         health.clone(),
         restarts.clone(),
     )
+    .with_tick_store(tick_store)
     .start();
 
     let retention = config.retention.clone();

@@ -177,6 +177,10 @@ struct PollFoundNothing {
 pub struct NodeSupervisor {
     settings: SupervisorSettings,
     store: Store,
+    /// The pool the ticks run on (see [`Store::lease_tick`]).
+    tick_store: Store,
+    /// The last tick found the outbox locked by another session.
+    outbox_locked: bool,
     publisher: Publisher,
     workers: Vec<(ArbiterHandle, Worker)>,
     shared: Arc<Shared>,
@@ -226,6 +230,8 @@ impl NodeSupervisor {
         let checked_run_id = settings.checked_run_id.clone();
         Self {
             settings,
+            tick_store: store.clone(),
+            outbox_locked: false,
             store,
             publisher,
             workers,
@@ -249,6 +255,14 @@ impl NodeSupervisor {
                 .unwrap_or_else(Instant::now),
             counting: false,
         }
+    }
+
+    /// Runs the ticks on `store` instead of the supervisor's own pool: a pool whose sessions
+    /// have a `lock_timeout`, so that a lock on the outbox does not hold back lease renewal
+    /// ([`Store::lease_tick`]).
+    pub fn with_tick_store(mut self, store: Store) -> Self {
+        self.tick_store = store;
+        self
     }
 
     fn shutting_down(&self) -> bool {
@@ -329,10 +343,23 @@ impl NodeSupervisor {
         let LeaseTick {
             held,
             ready,
+            outbox_locked,
             live_nodes: live,
             rank,
             partitions,
         } = tick;
+        if outbox_locked != self.outbox_locked {
+            self.outbox_locked = outbox_locked;
+            if outbox_locked {
+                tracing::warn!(
+                    "another session holds a lock on outpost_event (an ALTER TABLE, a VACUUM \
+                     FULL, or one waiting behind a long query): publishing waits for it; the \
+                     leases are kept"
+                );
+            } else {
+                tracing::info!("the lock on outpost_event is gone");
+            }
+        }
         let held_now: BTreeMap<i32, Lease> = held.iter().map(|l| (l.partition, *l)).collect();
         // Leases taken over by another node: drop the actor; anything it still does is fenced.
         let lost: Vec<i32> = self
@@ -481,7 +508,7 @@ impl NodeSupervisor {
         // A callback here freezes the supervisor's thread, as a stopped process would (tests).
         fail::fail_point!("lease-tick", |_| ());
         self.ticking = true;
-        let (store, publisher) = (self.store.clone(), self.publisher.clone());
+        let (store, publisher) = (self.tick_store.clone(), self.publisher.clone());
         let node = self.settings.node_id.clone();
         let lease_ms = ms(self.settings.lease);
         let started = Instant::now();

@@ -58,6 +58,8 @@ pub enum DbErrorKind {
     Connection,
     /// 40001 / 40P01: serialization failure or deadlock; safe to retry the transaction.
     Retryable,
+    /// 55P03: a lock was not granted within the session's `lock_timeout` (or `NOWAIT`).
+    LockNotAvailable,
     /// Anything else.
     Other,
 }
@@ -80,6 +82,7 @@ pub fn classify(err: &DbErr) -> DbErrorKind {
                 c if c.starts_with("22") => DbErrorKind::InvalidRow(constraint),
                 "42P01" => DbErrorKind::UndefinedTable,
                 "40001" | "40P01" => DbErrorKind::Retryable,
+                "55P03" => DbErrorKind::LockNotAvailable,
                 c if c.starts_with("08") || c.starts_with("57P") => DbErrorKind::Connection,
                 _ => DbErrorKind::Other,
             }
@@ -106,16 +109,21 @@ impl StoreError {
                     detail: err.to_string(),
                 }
             }
-            DbErrorKind::Retryable | DbErrorKind::Other => StoreError::Db(err),
+            DbErrorKind::Retryable | DbErrorKind::LockNotAvailable | DbErrorKind::Other => {
+                StoreError::Db(err)
+            }
         }
     }
 
     /// True when the operation may succeed if retried after a pause (the database was
-    /// unreachable, or a transaction lost a serialization race).
+    /// unreachable, a transaction lost a serialization race, or a lock was not granted in time).
     pub fn is_transient(&self) -> bool {
         match self {
             StoreError::Unavailable(_) => true,
-            StoreError::Db(e) => classify(e) == DbErrorKind::Retryable,
+            StoreError::Db(e) => matches!(
+                classify(e),
+                DbErrorKind::Retryable | DbErrorKind::LockNotAvailable
+            ),
             _ => false,
         }
     }

@@ -3,10 +3,12 @@
 //! All lease time is the database's clock (`now()`); a node never compares its own wall clock
 //! with `lease_until`.
 
+use std::sync::LazyLock;
+
 use sea_orm::{ConnectionTrait, TransactionTrait};
 
 use super::sql::num_array;
-use super::{Store, StoreError, stmt};
+use super::{DbErrorKind, Store, StoreError, classify, stmt};
 
 /// A partition lease held by a node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,6 +29,10 @@ pub struct LeaseTick {
     /// Of those, the partitions with rows ready to publish now (the scheduled poll that catches
     /// missed nudges).
     pub ready: Vec<i32>,
+    /// The outbox was locked by another session beyond the pool's `lock_timeout` (an ACCESS
+    /// EXCLUSIVE lock, or one queued): the leases were renewed without the poll, and `ready` is
+    /// empty.
+    pub outbox_locked: bool,
     /// Nodes with a heartbeat younger than the node TTL (including this one).
     pub live_nodes: u32,
     /// This node's place among the live nodes ordered by id (0-based): with `partitions` not
@@ -48,43 +54,73 @@ fn leases(rows: Vec<sea_orm::QueryResult>) -> Result<Vec<Lease>, StoreError> {
         .collect()
 }
 
+/// The tick's statement, with `ready` as the expression of its fourth column (whether the
+/// renewed partition has rows ready to publish).
+fn tick_sql(ready: &str) -> String {
+    format!(
+        "WITH hb AS (UPDATE outpost_node SET heartbeat_at = now() WHERE node_id = $1 \
+                     RETURNING node_id), \
+              renewed AS (UPDATE outpost_partition \
+                          SET lease_until = now() + $2 * interval '1 millisecond' \
+                          WHERE owner = $1 RETURNING partition, epoch, paused) \
+         SELECT r.partition, r.epoch, r.paused, {ready}, \
+                (SELECT count(*) FROM outpost_node \
+                 WHERE heartbeat_at > now() - $3 * interval '1 millisecond' \
+                    OR node_id IN (SELECT node_id FROM hb))::int8, \
+                (SELECT count(*) FROM outpost_partition)::int8, \
+                (SELECT count(*) FROM outpost_node \
+                 WHERE heartbeat_at > now() - $3 * interval '1 millisecond' \
+                   AND node_id < $1)::int8 \
+         FROM (SELECT NULL::int4 AS partition, NULL::int8 AS epoch, NULL::bool AS paused \
+               UNION ALL SELECT * FROM renewed) r"
+    )
+}
+
 impl Store {
     /// Heartbeat, lease renewal and the scheduled poll in one statement: refreshes the node's
     /// heartbeat, extends every lease it owns by `lease_ms`, says which of them have rows ready,
     /// and counts the live nodes (heartbeat within `node_ttl_ms`). An idle node runs only this,
     /// once per heartbeat.
+    ///
+    /// The renewal must not wait for the outbox: a session holding it in ACCESS EXCLUSIVE mode
+    /// (an `ALTER TABLE`, a `VACUUM FULL`, or such a statement queued behind a long query) would
+    /// otherwise hold back every node's heartbeat and let their leases expire. So a node runs
+    /// its ticks on a pool whose sessions have a `lock_timeout`
+    /// ([`super::ConnectSettings::lock_timeout`]); when the statement is refused a lock, the tick
+    /// renews again without the poll, reading no outbox ([`LeaseTick::outbox_locked`]).
+    ///
+    /// Each is one statement outside any explicit transaction: a node frozen between its
+    /// statements then holds no lock on the lease rows, and other nodes can take its partitions
+    /// once its leases expire.
     pub async fn lease_tick(
         &self,
         node_id: &str,
         lease_ms: u64,
         node_ttl_ms: u64,
     ) -> Result<LeaseTick, StoreError> {
-        let rows = self
-            .connection()
-            .query_all_raw(stmt(
-                "WITH hb AS (UPDATE outpost_node SET heartbeat_at = now() WHERE node_id = $1 \
-                             RETURNING node_id), \
-                      renewed AS (UPDATE outpost_partition \
-                                  SET lease_until = now() + $2 * interval '1 millisecond' \
-                                  WHERE owner = $1 RETURNING partition, epoch, paused) \
-                 SELECT r.partition, r.epoch, r.paused, \
-                        r.partition IS NOT NULL AND EXISTS ( \
-                          SELECT 1 FROM outpost_event e WHERE e.partition = r.partition \
-                          AND e.status IN ('pending', 'retry_wait') \
-                          AND e.next_attempt_at <= now()), \
-                        (SELECT count(*) FROM outpost_node \
-                         WHERE heartbeat_at > now() - $3 * interval '1 millisecond' \
-                            OR node_id IN (SELECT node_id FROM hb))::int8, \
-                        (SELECT count(*) FROM outpost_partition)::int8, \
-                        (SELECT count(*) FROM outpost_node \
-                         WHERE heartbeat_at > now() - $3 * interval '1 millisecond' \
-                           AND node_id < $1)::int8 \
-                 FROM (SELECT NULL::int4 AS partition, NULL::int8 AS epoch, NULL::bool AS paused \
-                       UNION ALL SELECT * FROM renewed) r",
+        static WITH_POLL: LazyLock<String> = LazyLock::new(|| {
+            tick_sql(
+                "r.partition IS NOT NULL AND EXISTS ( \
+                   SELECT 1 FROM outpost_event e WHERE e.partition = r.partition \
+                   AND e.status IN ('pending', 'retry_wait') \
+                   AND e.next_attempt_at <= now())",
+            )
+        });
+        static WITHOUT_POLL: LazyLock<String> = LazyLock::new(|| tick_sql("false"));
+        let tick = |sql: &'static str| {
+            self.connection().query_all_raw(stmt(
+                sql,
                 [node_id.into(), ms(lease_ms).into(), ms(node_ttl_ms).into()],
             ))
-            .await
-            .map_err(StoreError::from_db)?;
+        };
+        let (rows, outbox_locked) = match tick(&WITH_POLL).await {
+            Ok(rows) => (rows, false),
+            Err(e) if classify(&e) == DbErrorKind::LockNotAvailable => (
+                tick(&WITHOUT_POLL).await.map_err(StoreError::from_db)?,
+                true,
+            ),
+            Err(e) => return Err(StoreError::from_db(e)),
+        };
         let mut held = Vec::with_capacity(rows.len());
         let mut ready = Vec::new();
         let (mut live_nodes, mut partitions, mut rank) = (1u32, 0u32, 0u32);
@@ -107,6 +143,7 @@ impl Store {
         Ok(LeaseTick {
             held,
             ready,
+            outbox_locked,
             live_nodes: live_nodes.max(1),
             rank,
             partitions,

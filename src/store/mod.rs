@@ -59,6 +59,9 @@ pub struct ConnectSettings {
     ///   flow every few events need one. The generic plans use the same indexes
     ///   (`docs/operations.md`).
     pub relay_worker: bool,
+    /// `lock_timeout` of every session in the pool: a statement waiting longer than this for a
+    /// lock fails (SQLSTATE 55P03) instead of waiting on. `None` waits as long as it takes.
+    pub lock_timeout: Option<Duration>,
 }
 
 /// A handle on Outpost's database: a connection pool plus the backend it speaks.
@@ -78,6 +81,15 @@ impl Store {
         } else {
             ("on", "auto")
         };
+        let mut session = vec![
+            ("random_page_cost", "1.1".to_owned()),
+            ("synchronous_commit", sync_commit.to_owned()),
+            ("plan_cache_mode", plans.to_owned()),
+        ];
+        if let Some(wait) = settings.lock_timeout {
+            // At least 1 ms: 0 would mean no timeout at all.
+            session.push(("lock_timeout", wait.as_millis().max(1).to_string()));
+        }
         opts.max_connections(settings.pool_size)
             .min_connections(0)
             .connect_timeout(settings.connect_timeout)
@@ -87,11 +99,7 @@ impl Store {
             .test_before_acquire_if_idle_for(Duration::from_secs(30))
             .sqlx_logging(false)
             .map_sqlx_postgres_opts(move |o: PgConnectOptions| {
-                o.application_name(&app).options([
-                    ("random_page_cost", "1.1"),
-                    ("synchronous_commit", sync_commit),
-                    ("plan_cache_mode", plans),
-                ])
+                o.application_name(&app).options(session.clone())
             });
         let db = Database::connect(opts).await.map_err(StoreError::from_db)?;
         if db.get_database_backend() != DbBackend::Postgres {

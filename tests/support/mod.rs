@@ -77,6 +77,7 @@ async fn connect_to(url: &str, pool: u32) -> Result<Store, store::StoreError> {
         connect_timeout: Duration::from_secs(10),
         application_name: "outpost test".to_owned(),
         relay_worker: false,
+        lock_timeout: None,
     })
     .await
 }
