@@ -77,12 +77,8 @@ async fn main() -> anyhow::Result<()> {
         .init();
     let args = Args::parse();
     let store = Store::connect(&ConnectSettings {
-        url: args.database_url.clone(),
-        pool_size: 20,
         connect_timeout: std::time::Duration::from_secs(5),
-        application_name: "outpost example consumer".into(),
-        relay_worker: false,
-        lock_timeout: None,
+        ..ConnectSettings::new(args.database_url.clone(), "outpost example consumer", 20)
     })
     .await?;
     // The helper's tables (outpost_inbox, outpost_consumer_position) and the projection.

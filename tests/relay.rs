@@ -968,12 +968,8 @@ async fn worker_sessions_commit_asynchronously_and_use_generic_plans() {
         [(true, "off", "force_generic_plan"), (false, "on", "auto")]
     {
         let store = outpost::store::Store::connect(&outpost::store::ConnectSettings {
-            url: db.url.clone(),
-            pool_size: 1,
-            connect_timeout: std::time::Duration::from_secs(10),
-            application_name: "outpost test".to_owned(),
             relay_worker,
-            lock_timeout: None,
+            ..outpost::store::ConnectSettings::new(db.url.clone(), "outpost test", 1)
         })
         .await
         .unwrap();

@@ -80,14 +80,7 @@ async fn producer(config: &Config, args: ProducerBench) -> anyhow::Result<()> {
     admin::drop_database(&server, name).await?;
     admin::create_database(&server, name, None).await?;
     let url = admin::database_url(&server, name)?;
-    let settings = ConnectSettings {
-        url: url.clone(),
-        pool_size: args.writers + 4,
-        connect_timeout: Duration::from_secs(10),
-        application_name: "outpost bench".to_owned(),
-        relay_worker: false,
-        lock_timeout: None,
-    };
+    let settings = ConnectSettings::new(url.clone(), "outpost bench", args.writers + 4);
     let store = Store::connect(&settings).await?;
     store::migrate_up(&store).await?;
     store.create_plain_table().await?;

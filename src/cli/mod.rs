@@ -172,12 +172,12 @@ fn init_tracing(log: Option<&config::LogConfig>) {
 pub(crate) async fn connect(config: &Config, purpose: &str) -> anyhow::Result<Store> {
     let url = config.database.url()?;
     Store::connect(&ConnectSettings {
-        url: url.expose().to_owned(),
-        pool_size: config.database.pool_size,
         connect_timeout: Duration::from_millis(config.database.connect_timeout_ms),
-        application_name: format!("outpost {purpose}"),
-        relay_worker: false,
-        lock_timeout: None,
+        ..ConnectSettings::new(
+            url.expose(),
+            format!("outpost {purpose}"),
+            config.database.pool_size,
+        )
     })
     .await
     .with_context(|| format!("connecting to the database at {url}"))

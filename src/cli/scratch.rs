@@ -3,8 +3,6 @@
 //! of its own (`bench:<random>:`, whose keys are deleted at the end), never the configured
 //! database or keys.
 
-use std::time::Duration;
-
 use anyhow::Context;
 use redis::aio::MultiplexedConnection;
 
@@ -55,14 +53,11 @@ impl Scratch {
 
     /// A migrated pool of `pool_size` on the scratch database.
     pub async fn store(&self, pool_size: u32, bench: &str) -> anyhow::Result<Store> {
-        let store = Store::connect(&ConnectSettings {
-            url: self.url.clone(),
+        let store = Store::connect(&ConnectSettings::new(
+            self.url.clone(),
+            format!("outpost bench {bench}"),
             pool_size,
-            connect_timeout: Duration::from_secs(10),
-            application_name: format!("outpost bench {bench}"),
-            relay_worker: false,
-            lock_timeout: None,
-        })
+        ))
         .await?;
         store::migrate_up(&store).await?;
         Ok(store)

@@ -191,12 +191,9 @@ async fn boot(config: Config) -> Result<Booted, NodeError> {
     let per_worker_pool =
         (config.database.pool_size / workers_n as u32).clamp(2, config.relay.max_in_flight.max(2));
     let connect = |purpose: &str, pool: u32, relay_worker: bool| ConnectSettings {
-        url: db_url.clone(),
-        pool_size: pool,
         connect_timeout: config.database.connect_timeout(),
-        application_name: format!("outpost {purpose} {node_id}"),
         relay_worker,
-        lock_timeout: None,
+        ..ConnectSettings::new(db_url.clone(), format!("outpost {purpose} {node_id}"), pool)
     };
 
     let store = Store::connect(&connect("supervisor", 4, false)).await?;

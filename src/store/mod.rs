@@ -64,6 +64,26 @@ pub struct ConnectSettings {
     pub lock_timeout: Option<Duration>,
 }
 
+impl ConnectSettings {
+    /// A pool of at most `pool_size` sessions at `url` named `application_name`, with the usual
+    /// settings: a 10 s connect timeout, durable commits, plans chosen by PostgreSQL, and no
+    /// `lock_timeout`. Change what differs with struct update syntax.
+    pub fn new(
+        url: impl Into<String>,
+        application_name: impl Into<String>,
+        pool_size: u32,
+    ) -> Self {
+        Self {
+            url: url.into(),
+            pool_size,
+            connect_timeout: Duration::from_secs(10),
+            application_name: application_name.into(),
+            relay_worker: false,
+            lock_timeout: None,
+        }
+    }
+}
+
 /// A handle on Outpost's database: a connection pool plus the backend it speaks.
 #[derive(Debug, Clone)]
 pub struct Store {

@@ -71,15 +71,7 @@ async fn ensure_template() -> String {
 }
 
 async fn connect_to(url: &str, pool: u32) -> Result<Store, store::StoreError> {
-    Store::connect(&ConnectSettings {
-        url: url.to_owned(),
-        pool_size: pool,
-        connect_timeout: Duration::from_secs(10),
-        application_name: "outpost test".to_owned(),
-        relay_worker: false,
-        lock_timeout: None,
-    })
-    .await
+    Store::connect(&ConnectSettings::new(url, "outpost test", pool)).await
 }
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);
