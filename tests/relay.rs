@@ -1,5 +1,6 @@
 //! The relay against real PostgreSQL and Redis: order, loss, out-of-order commits, poison,
-//! database session loss, locks on and columns added to the outbox, wake-ups, graceful shutdown.
+//! database session loss, locks on and columns added to the outbox, a held vacuum horizon,
+//! wake-ups, graceful shutdown.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -414,6 +415,66 @@ async fn a_lock_on_the_outbox_longer_than_a_lease_delays_delivery_but_costs_no_l
         "no lease was lost and taken again"
     );
     assert_all_published(&db).await;
+    node.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_transaction_holding_the_vacuum_horizon_stops_no_delivery_and_is_reported() {
+    // A forgotten session `idle in transaction` (or a long report) keeps a snapshot: every row
+    // the node marks stays behind as a dead version vacuum cannot remove. Delivery goes on
+    // regardless, and the storage figures behind the `OutpostVacuumHorizonHeld` alert name the
+    // holder's age until it ends.
+    let db = TestDb::new().await;
+    let redis = TestRedis::new();
+    let node = support::start_node(relay_config(&db, &redis, "horizon-node")).await;
+    let holder = db.store.connection().begin().await.unwrap();
+    holder
+        .execute_unprepared("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        .await
+        .unwrap();
+    holder
+        .execute_unprepared("SELECT count(*) FROM outpost_event")
+        .await
+        .unwrap();
+
+    let mut ids = commit_hundred(&db, 0).await;
+    ids.extend(commit_hundred(&db, 1).await);
+    let d = wait_delivered(&redis, ids.len(), 60).await;
+    assert_once_in_order(&d, &ids);
+    assert_all_published(&db).await;
+
+    let vacuum = || async {
+        db.store
+            .connection()
+            .execute_unprepared("VACUUM outpost_event")
+            .await
+            .unwrap();
+    };
+    vacuum().await;
+    let held = db.store.storage_figures().await.unwrap();
+    assert!(
+        held.xmin_age_xids >= 20,
+        "the holder's snapshot is older than the 20 producer transactions: {held:?}"
+    );
+    assert!(held.oldest_xact_secs > 0.0, "{held:?}");
+    assert!(
+        held.dead_tuples >= 200,
+        "the 200 delivered rows stay behind as dead versions: {held:?}"
+    );
+
+    holder.commit().await.unwrap();
+    // Without the holder, the next vacuum removes them and the horizon is free again (a node's
+    // statement in flight holds it for an instant, hence the wait).
+    wait_until(
+        30,
+        "the dead versions vacuumed and the horizon free",
+        || async {
+            vacuum().await;
+            let f = db.store.storage_figures().await.unwrap();
+            f.dead_tuples == 0 && f.xmin_age_xids < 20
+        },
+    )
+    .await;
     node.shutdown().await;
 }
 
