@@ -1,0 +1,226 @@
+//! Network faults between a node and its servers, made by a TCP proxy of the test's own
+//! (`support::proxy`): a partition that heals (every byte held for longer than a lease, then
+//! delivered late), and replies lost after the request reached the server (the write landed, the
+//! node never heard), towards Redis and towards PostgreSQL. In every case nothing committed is
+//! lost, each aggregate's first deliveries stay in order, a duplicate is always a copy of an
+//! event (the same event id), and no attempt is counted against any event.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use outpost::produce::EventFact;
+use serde_json::json;
+use support::proxy::Proxy;
+use support::{Deliveries, TestDb, TestRedis, assert_all_published, scalar, wait_until};
+
+/// One writer committing a transaction of two events every few milliseconds, over 40
+/// aggregates, until stopped.
+fn writer(db: &TestDb, stop: Arc<AtomicBool>) -> tokio::task::JoinHandle<Vec<String>> {
+    support::write_until(db, stop, |i| {
+        (0..2)
+            .map(|k| {
+                EventFact::new(
+                    "kind0",
+                    format!("a{}", (i * 2 + k) % 40),
+                    "t",
+                    json!({"i": i, "k": k}),
+                )
+            })
+            .collect()
+    })
+}
+
+/// Stops the writer, waits until every committed event is in the streams and every row is
+/// published, and checks the promise: nothing lost, first deliveries in order per aggregate, no
+/// attempt counted. Returns the deliveries.
+async fn stop_and_check(
+    db: &TestDb,
+    redis: &TestRedis,
+    stop: &AtomicBool,
+    writer: tokio::task::JoinHandle<Vec<String>>,
+) -> Deliveries {
+    stop.store(true, Ordering::Relaxed);
+    let ids = writer.await.unwrap();
+    assert!(ids.len() >= 100, "the writer kept writing: {}", ids.len());
+    let conn = redis.conn().await;
+    wait_until(120, "every committed event to be delivered", || {
+        let (prefix, mut c, n) = (redis.prefix.clone(), conn.clone(), ids.len());
+        async move { Deliveries::collect(&mut c, &prefix).await.unique() >= n }
+    })
+    .await;
+    assert_all_published(db).await;
+    let d = Deliveries::collect(&mut conn.clone(), &redis.prefix).await;
+    assert!(
+        ids.iter().all(|id| d.copies.contains_key(id)),
+        "nothing lost"
+    );
+    assert_eq!(
+        d.unique(),
+        ids.len(),
+        "nothing delivered that was not committed"
+    );
+    assert!(
+        d.order_violations().is_empty(),
+        "first deliveries in order per aggregate: {:?}",
+        d.order_violations()
+    );
+    assert_eq!(
+        scalar(
+            db,
+            "SELECT coalesce(max(attempts), 0)::int8 FROM ( \
+               SELECT attempts FROM outpost_event \
+               UNION ALL SELECT attempts FROM outpost_published) t"
+        )
+        .await,
+        0,
+        "network faults are transient: no attempt counted"
+    );
+    d
+}
+
+/// Waits until `n` more events than `from` are in the streams.
+async fn wait_more(redis: &TestRedis, n: usize, what: &str) {
+    let conn = redis.conn().await;
+    let start = Deliveries::collect(&mut conn.clone(), &redis.prefix)
+        .await
+        .unique();
+    wait_until(60, what, || {
+        let (prefix, mut c) = (redis.prefix.clone(), conn.clone());
+        async move { Deliveries::collect(&mut c, &prefix).await.unique() >= start + n }
+    })
+    .await;
+}
+
+/// The server a proxy stands in front of.
+#[derive(Clone, Copy, Debug)]
+enum Server {
+    Redis,
+    Postgres,
+}
+
+/// A node whose connections to `server` go through a new proxy, a writer committing
+/// throughout, and some events published already.
+struct Setup {
+    db: TestDb,
+    redis: TestRedis,
+    proxy: Proxy,
+    node: outpost::dispatch::node::NodeHandle,
+    stop: Arc<AtomicBool>,
+    writing: tokio::task::JoinHandle<Vec<String>>,
+}
+
+impl Setup {
+    async fn start(server: Server, node_id: &str) -> Self {
+        let db = TestDb::new().await;
+        let redis = TestRedis::new();
+        let (proxy, key, url) = match server {
+            Server::Redis => {
+                let url = support::redis_url();
+                let proxy = Proxy::start(url.trim_start_matches("redis://")).await;
+                (proxy, "redis.url", url)
+            }
+            Server::Postgres => {
+                let host = db.url.split('@').nth(1).unwrap().split('/').next().unwrap();
+                (Proxy::start(host).await, "database.url", db.url.clone())
+            }
+        };
+        let config =
+            support::relay_config_for(&db, &redis, node_id, &[(key, &proxy.url_for(&url))]);
+        let node = support::start_node(config).await;
+        let stop = Arc::new(AtomicBool::new(false));
+        let writing = writer(&db, stop.clone());
+        wait_more(&redis, 100, "events published before the fault").await;
+        Self {
+            db,
+            redis,
+            proxy,
+            node,
+            stop,
+            writing,
+        }
+    }
+
+    /// Stops the writer, checks the promise ([`stop_and_check`]), prints the copies the fault
+    /// cost and stops the node.
+    async fn finish(self, fault: &str) {
+        let d = stop_and_check(&self.db, &self.redis, &self.stop, self.writing).await;
+        println!(
+            "{fault}: {} replies lost, duplicates {}, stale entries {}",
+            self.proxy.lost(),
+            d.duplicates(),
+            d.stale
+        );
+        self.node.shutdown().await;
+    }
+
+    /// Every byte between the node and the server held for three seconds (the fault itself:
+    /// longer than the node's Redis timeout and its lease), then delivered late, in order.
+    async fn partition(&self) {
+        self.proxy.hold();
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        self.proxy.release();
+        wait_more(&self.redis, 100, "events published after the partition").await;
+    }
+
+    /// `rounds` times: the server runs the node's next request, its answer is lost and the
+    /// connection cut; the node cannot know what became of it, reconnects and carries on.
+    async fn lose_replies(&self, rounds: u64) {
+        for round in 1..=rounds {
+            self.proxy.lose_replies(1);
+            wait_until(30, &format!("reply {round} lost"), || async {
+                self.proxy.lost() >= round
+            })
+            .await;
+            wait_more(&self.redis, 10, "events published after a lost reply").await;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_partition_from_redis_that_heals_loses_nothing_and_the_node_resumes() {
+    let s = Setup::start(Server::Redis, "net-redis-hold").await;
+    let admin = s.node.admin_addr().to_string();
+    let readyz = |code: u16| {
+        let admin = admin.clone();
+        async move { support::http_get(&admin, "/readyz").await.0 == code }
+    };
+    let partition = s.partition();
+    let not_ready = wait_until(30, "/readyz to say not ready", || readyz(503));
+    tokio::join!(partition, not_ready);
+    wait_until(30, "/readyz to say ready again", || readyz(200)).await;
+    // Every call the node gave up on while Redis did not answer reaches Redis when the partition
+    // heals, each one a claim of the partition's ready rows, so copies come in numbers and
+    // after later events of their aggregates (`docs/streams.md`): consumers deduplicate by
+    // `ce_id`, as the consumer helpers do.
+    s.finish("partition from Redis").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn replies_lost_on_the_way_back_from_redis_lose_nothing() {
+    // Mostly appends: a batch whose answer was lost is appended again.
+    let s = Setup::start(Server::Redis, "net-redis-lost").await;
+    s.lose_replies(5).await;
+    s.finish("lost replies from Redis").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn replies_lost_on_the_way_back_from_postgres_lose_nothing() {
+    // Claims, marks and their COMMITs, heartbeats: a batch whose mark's answer was lost is
+    // claimed and published again only when the mark did not commit.
+    let s = Setup::start(Server::Postgres, "net-pg-lost").await;
+    s.lose_replies(10).await;
+    s.finish("lost replies from PostgreSQL").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_partition_from_postgres_longer_than_a_lease_loses_nothing() {
+    // The node's sessions hear nothing while producers, on their own connections, commit.
+    let s = Setup::start(Server::Postgres, "net-pg-hold").await;
+    s.partition().await;
+    s.finish("partition from PostgreSQL").await;
+}
