@@ -28,34 +28,6 @@ fn keep_writing(db: &TestDb, stop: Arc<AtomicBool>) -> tokio::task::JoinHandle<V
     })
 }
 
-/// Stops the writers, waits until every event they committed is in the streams, and checks that
-/// none is missing and that first deliveries are in order per aggregate. Returns the committed
-/// ids and what was delivered.
-async fn stop_and_check(
-    redis: &TestRedis,
-    stop: &AtomicBool,
-    writer: tokio::task::JoinHandle<Vec<String>>,
-) -> (Vec<String>, Deliveries) {
-    stop.store(true, Ordering::Relaxed);
-    let ids = writer.await.unwrap();
-    let conn = redis.conn().await;
-    wait_until(120, "every committed event to be delivered", || {
-        let (prefix, mut c, n) = (redis.prefix.clone(), conn.clone(), ids.len());
-        async move { Deliveries::collect(&mut c, &prefix).await.unique() >= n }
-    })
-    .await;
-    let d = Deliveries::collect(&mut conn.clone(), &redis.prefix).await;
-    assert!(
-        ids.iter().all(|id| d.copies.contains_key(id)),
-        "nothing lost"
-    );
-    assert!(
-        d.order_violations().is_empty(),
-        "first deliveries in order per aggregate"
-    );
-    (ids, d)
-}
-
 /// Starts a node in this process and waits until it owns every partition.
 async fn sole_node(db: &TestDb, redis: &TestRedis, id: &str) -> NodeHandle {
     let node = support::start_node(relay_config(db, redis, id)).await;
@@ -113,7 +85,7 @@ async fn nodes_share_partitions_fairly_and_hand_over_without_loss_or_duplicates(
     })
     .await;
 
-    let (ids, d) = stop_and_check(&redis, &stop, writer).await;
+    let (ids, d) = support::stop_and_check(&redis, &stop, writer).await;
     assert_eq!(d.unique(), ids.len(), "nothing else delivered");
     assert_eq!(d.duplicates(), 0, "graceful handoffs duplicate nothing");
     a.shutdown().await;
@@ -176,7 +148,7 @@ async fn a_killed_node_is_taken_over_without_loss_or_order_violations() {
         async move { Deliveries::collect(&mut c, &prefix).await.unique() >= 30_000 }
     })
     .await;
-    let (ids, d) = stop_and_check(&redis, &stop, writer).await;
+    let (ids, d) = support::stop_and_check(&redis, &stop, writer).await;
     assert!(ids.len() >= 30_000, "{} events written", ids.len());
     assert!(
         ids.iter().all(|id| d.copies.contains_key(id)),
@@ -266,7 +238,7 @@ async fn a_node_stopped_past_its_lease_comes_back_without_loss_or_order_violatio
         owned_by("stop-a").await >= 1 && owned(&b).await < 64
     })
     .await;
-    let (_, d) = stop_and_check(&redis, &stop, writer).await;
+    let (_, d) = support::stop_and_check(&redis, &stop, writer).await;
     // Whether the stopped node had a publish or a mark in flight depends on where the signal
     // caught it (tests/cluster_zombie.rs freezes it at the worst moment on purpose); what it
     // refused is in its metrics.
@@ -375,6 +347,6 @@ async fn a_node_with_a_skewed_clock_neither_steals_leases_nor_keeps_them() {
         );
     }
 
-    stop_and_check(&redis, &stop, writer).await;
+    support::stop_and_check(&redis, &stop, writer).await;
     a.shutdown().await;
 }

@@ -119,7 +119,8 @@ impl Store {
             .test_before_acquire_if_idle_for(Duration::from_secs(30))
             .sqlx_logging(false)
             .map_sqlx_postgres_opts(move |o: PgConnectOptions| {
-                o.application_name(&app).options(session.clone())
+                o.application_name(&app)
+                    .options(session.iter().map(|(k, v)| (*k, v.as_str())))
             });
         let db = Database::connect(opts).await.map_err(StoreError::from_db)?;
         if db.get_database_backend() != DbBackend::Postgres {

@@ -535,6 +535,34 @@ where
     })
 }
 
+/// Stops the writers, waits until every event they committed is in the streams, and checks that
+/// none is missing and that first deliveries are in order per aggregate. Returns the committed
+/// ids and what was delivered.
+pub async fn stop_and_check(
+    redis: &TestRedis,
+    stop: &std::sync::atomic::AtomicBool,
+    writer: tokio::task::JoinHandle<Vec<String>>,
+) -> (Vec<String>, Deliveries) {
+    stop.store(true, Ordering::Relaxed);
+    let ids = writer.await.unwrap();
+    let conn = redis.conn().await;
+    wait_until(120, "every committed event to be delivered", || {
+        let (prefix, mut c, n) = (redis.prefix.clone(), conn.clone(), ids.len());
+        async move { Deliveries::collect(&mut c, &prefix).await.unique() >= n }
+    })
+    .await;
+    let d = Deliveries::collect(&mut conn.clone(), &redis.prefix).await;
+    assert!(
+        ids.iter().all(|id| d.copies.contains_key(id)),
+        "nothing lost"
+    );
+    assert!(
+        d.order_violations().is_empty(),
+        "first deliveries in order per aggregate"
+    );
+    (ids, d)
+}
+
 /// The single `int8` value `sql` returns.
 pub async fn scalar(db: &TestDb, sql: &str) -> i64 {
     use sea_orm::ConnectionTrait;
