@@ -15,6 +15,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use outpost::produce::{EventFact, Producer};
+use outpost::publish::{
+    Entry, ErrorClass, Message, Publisher, RedisSettings, StreamBatch, StreamOutcome, Topology,
+};
 use sea_orm::TransactionTrait;
 use serde_json::json;
 use support::{Deliveries, TestDb, assert_all_published, relay_config_with, scalar, wait_until};
@@ -236,6 +239,12 @@ async fn survive(outage: Outage) {
     let seen: HashSet<String> = d.copies.keys().cloned().collect();
     assert!(committed.is_subset(&seen), "nothing lost");
     assert!(d.order_violations().is_empty());
+    println!("duplicates {}, stale entries {}", d.duplicates(), d.stale);
+    if let Outage::Pause = outage {
+        // A paused Redis answers the calls it ran before the pause; the ones it holds run ten
+        // seconds later, long after the node gave up on them, and are refused as late.
+        assert_eq!(d.duplicates(), 0, "no call held by the pause appended");
+    }
     assert_eq!(
         scalar(
             &db,
@@ -259,6 +268,96 @@ async fn redis_paused_for_ten_seconds_loses_nothing_and_burns_no_attempt() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn redis_killed_and_restarted_loses_nothing_and_burns_no_attempt() {
     survive(Outage::Kill).await;
+}
+
+/// Calls of the publish script Redis has run (`INFO commandstats`; the test's own Redis).
+async fn script_calls(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(conn)
+        .await
+        .unwrap();
+    info.lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(0, |n| n.parse().unwrap())
+}
+
+/// A publish call that reaches Redis only after its node gave up on it appends nothing: here
+/// Redis holds it (paused for writes) past the node's response timeout, then runs it. Without the
+/// deadline every call would land whenever it got through — after the node had moved on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_run_after_its_node_gave_up_appends_nothing() {
+    let own = OwnRedis::start_ephemeral();
+    let mut conn = own.conn().await;
+    let publisher = Publisher::connect(&RedisSettings {
+        url: own.url(),
+        key_prefix: "late:".to_owned(),
+        connect_timeout: Duration::from_secs(2),
+        response_timeout: Duration::from_millis(500),
+        topology: Topology::Single,
+    })
+    .await
+    .unwrap();
+    let stream = publisher.stream_key("s");
+    let batch = |seq: i64| StreamBatch {
+        stream: stream.clone(),
+        partition: 0,
+        epoch: 1,
+        known: seq > 1,
+        entries: vec![
+            Entry::new(Message {
+                event_id: format!("e{seq}"),
+                event_type: "t".to_owned(),
+                aggregate_type: "kind".to_owned(),
+                aggregate_id: "a".to_owned(),
+                aggregate_seq: seq,
+                schema_version: "1".to_owned(),
+                time: "2026-12-03T00:00:00Z".to_owned(),
+                payload: "{}".to_owned(),
+                headers: "{}".to_owned(),
+            })
+            .unwrap(),
+        ],
+    };
+    let xlen = |mut c: redis::aio::MultiplexedConnection| {
+        let stream = stream.clone();
+        async move {
+            redis::cmd("XLEN")
+                .arg(&stream)
+                .query_async::<u64>(&mut c)
+                .await
+                .unwrap()
+        }
+    };
+    let published = |out: Vec<StreamOutcome>| matches!(&out[..], [StreamOutcome::Published(_)]);
+    assert!(published(publisher.publish(&[batch(1)]).await.unwrap()));
+    let ran = script_calls(&mut conn).await;
+
+    // Scripts wait while Redis is paused for writes; TIME is still answered.
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(1500)
+        .arg("WRITE")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let gave_up = publisher.publish(&[batch(2)]).await.unwrap_err();
+    assert_eq!(gave_up.class(), ErrorClass::Transient, "{gave_up}");
+    wait_until(10, "Redis to run the call the node gave up on", || {
+        let mut c = conn.clone();
+        async move { script_calls(&mut c).await > ran }
+    })
+    .await;
+    assert_eq!(
+        xlen(conn.clone()).await,
+        1,
+        "the late call appended nothing"
+    );
+
+    // The node sends it again, and it is appended once.
+    assert!(published(publisher.publish(&[batch(2)]).await.unwrap()));
+    assert_eq!(xlen(conn.clone()).await, 2);
 }
 
 /// Redis restarted empty mid-run (no persistence, killed and restarted): the node notices, sets

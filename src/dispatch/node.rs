@@ -142,6 +142,11 @@ pub fn start(config: &Config) -> Result<NodeHandle, NodeError> {
             let ok = started.is_ok();
             let _ = tx.send(started.map(|parts| (parts, System::current())));
             if ok {
+                // The runtime's context stays entered while the system stops and drops what its
+                // tasks held: a database connection returned to its pool on drop spawns a task,
+                // which panics outside a runtime.
+                let handle = system.runtime().tokio_runtime().handle().clone();
+                let _context = handle.enter();
                 let _ = system.run();
             }
         })

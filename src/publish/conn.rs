@@ -17,7 +17,10 @@ use futures::future::join_all;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo};
+use redis::cluster_routing::{
+    MultipleNodeRoutingInfo, ResponsePolicy, Route, RoutingInfo, SingleNodeRoutingInfo, Slot,
+    SlotAddr,
+};
 use redis::{
     Client, Cmd, ConnectionAddr, ConnectionInfo, IntoConnectionInfo, Pipeline, RedisError,
     RedisFuture, RedisResult, Value,
@@ -143,6 +146,29 @@ impl RedisConn {
                     async move { cmd.query_async::<Value>(&mut conn).await }
                 }))
                 .await
+            }
+        }
+    }
+
+    /// `TIME`: `[seconds, microseconds]` of Redis's clock; on a cluster, of the primary holding
+    /// `slot` (any primary without one).
+    pub async fn time(&self, slot: Option<Slot>) -> RedisResult<Vec<String>> {
+        let cmd = redis::cmd("TIME");
+        match self {
+            Self::Single(c) => cmd.query_async(&mut c.clone()).await,
+            Self::Cluster(c) => {
+                let node = match slot {
+                    Some(slot) => SingleNodeRoutingInfo::SpecificNode(Route::with_slot(
+                        slot,
+                        SlotAddr::Master,
+                    )),
+                    None => SingleNodeRoutingInfo::RandomPrimary,
+                };
+                let reply = c
+                    .clone()
+                    .route_command(cmd, RoutingInfo::SingleNode(node))
+                    .await?;
+                Ok(redis::from_redis_value(reply)?)
             }
         }
     }
@@ -314,8 +340,6 @@ pub fn companion_key(prefix: &str, kind: &str, stream: &str) -> Result<String, S
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    use redis::cluster_routing::Slot;
 
     #[test]
     fn connections_turn_nagle_off_and_keep_what_the_url_says() {

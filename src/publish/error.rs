@@ -72,6 +72,35 @@ impl PublishError {
         }
     }
 
+    /// The publish script ran after its call's deadline, when the node had given up on it, and
+    /// appended nothing.
+    pub fn late() -> Self {
+        Self {
+            class: ErrorClass::Transient,
+            code: "LATE".to_owned(),
+            message: "the call reached Redis after the node had given up on it; nothing was \
+                      appended (a slow or partitioned network, a paused Redis)"
+                .to_owned(),
+        }
+    }
+
+    /// No answer from Redis within the node's time limit for a call.
+    pub fn timed_out(limit: std::time::Duration) -> Self {
+        Self {
+            class: ErrorClass::Transient,
+            code: "IO".to_owned(),
+            message: format!(
+                "no answer from Redis within {} ms (redis.response_timeout_ms); check that Redis \
+                 is running and reachable",
+                limit.as_millis()
+            ),
+        }
+    }
+
+    pub(super) fn is_late(&self) -> bool {
+        self.code == "LATE"
+    }
+
     /// A configuration error (bad URL): permanent for the node, not for an event.
     pub fn config(message: impl Into<String>) -> Self {
         Self {
@@ -86,7 +115,7 @@ impl PublishError {
         self.class
     }
 
-    /// The Redis error code (`WRONGTYPE`, `OOM`, …) or Outpost's own (`IO`, `OVERSIZE`,
+    /// The Redis error code (`WRONGTYPE`, `OOM`, …) or Outpost's own (`IO`, `LATE`, `OVERSIZE`,
     /// `UNROUTABLE`, `CONFIG`).
     pub fn code(&self) -> &str {
         &self.code

@@ -6,6 +6,7 @@
 //! its lease cannot append behind the new owner's entries. The calls of one batch are pipelined
 //! (on a Redis Cluster: sent one by one, all at once; see [`RedisConn::run_each`]).
 
+mod clock;
 mod conn;
 mod entry;
 mod error;
@@ -14,7 +15,12 @@ mod script;
 mod server;
 mod trim;
 
-use std::time::Duration;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::future::join_all;
+use redis::cluster_routing::Slot;
 
 pub use conn::{RedisConn, Topology, companion_key, connection_info, hash_tag, parse_seed};
 pub use entry::{Entry, Message, entry_fields, field};
@@ -91,6 +97,10 @@ pub struct RedisSettings {
 pub struct Publisher {
     conn: RedisConn,
     prefix: String,
+    /// How long the node waits for a round of calls before giving up on it.
+    limit: Duration,
+    /// Readings of Redis's clocks, for each call's deadline (`clock`).
+    clock: Arc<clock::RedisClock>,
 }
 
 impl std::fmt::Debug for Publisher {
@@ -126,9 +136,17 @@ impl Publisher {
                 PublishError::from_redis(e)
             }
         })?;
+        // A cluster connection retries a command within twice the response timeout.
+        let limit = if settings.topology.is_cluster() {
+            settings.response_timeout * 2
+        } else {
+            settings.response_timeout
+        };
         Ok(Self {
             conn,
             prefix: settings.key_prefix.clone(),
+            limit,
+            clock: Arc::new(clock::RedisClock::new()),
         })
     }
 
@@ -156,6 +174,49 @@ impl Publisher {
             .await
             .map_err(PublishError::from_redis)?;
         Ok(())
+    }
+
+    /// Whose clock decides a call's deadline for `stream`: the single Redis, or the cluster
+    /// primary holding the stream's slot.
+    fn clock_source(&self, stream: &str) -> clock::Source {
+        self.conn.is_cluster().then(|| Slot::for_key(stream))
+    }
+
+    /// A fresh reading of each of `sources`' clocks, reading with `TIME` those without one.
+    async fn read_clocks(
+        &self,
+        sources: &[clock::Source],
+    ) -> Result<HashMap<clock::Source, clock::Reading>, PublishError> {
+        let now = Instant::now();
+        let mut readings = HashMap::new();
+        let mut unread = Vec::new();
+        for &source in sources {
+            if readings.contains_key(&source) || unread.contains(&source) {
+                continue;
+            }
+            match self.clock.fresh(source, now) {
+                Some(r) => {
+                    readings.insert(source, r);
+                }
+                None => unread.push(source),
+            }
+        }
+        let answers = join_all(unread.iter().map(|&source| async move {
+            let time = tokio::time::timeout(self.limit, self.conn.time(source))
+                .await
+                .map_err(|_| PublishError::timed_out(self.limit))?
+                .map_err(PublishError::from_redis)?;
+            let received = Instant::now();
+            let ms = clock::time_ms(&time)
+                .ok_or_else(|| PublishError::event("PROTOCOL", "unexpected reply to TIME"))?;
+            Ok::<_, PublishError>((source, self.clock.record(source, ms, received)))
+        }))
+        .await;
+        for answer in answers {
+            let (source, reading) = answer?;
+            readings.insert(source, reading);
+        }
+        Ok(readings)
     }
 
     /// Appends every batch, each fenced by its partition's epoch, in one round of calls.
@@ -189,20 +250,58 @@ impl Publisher {
         // over a slot) answers NOSCRIPT without running anything: load it and send those again.
         let mut loaded = false;
         while !todo.is_empty() {
+            let sources: Vec<clock::Source> = todo
+                .iter()
+                .map(|(i, _)| self.clock_source(&batches[*i].stream))
+                .collect();
+            let readings = self.read_clocks(&sources).await?;
+            // Every call carries the moment this node gives up on it, in its Redis's time: a
+            // call that reaches Redis later (it sat in a partitioned network or a paused Redis)
+            // is refused, so it cannot append a claim the node has moved past (`clock`).
+            let sent = Instant::now();
             let calls = todo
                 .iter()
-                .map(|(i, fence)| {
+                .zip(&sources)
+                .map(|((i, fence), source)| {
                     let b = &batches[*i];
-                    script::call(fence, &b.stream, b.partition, b.epoch, b.known, &b.entries)
+                    let deadline = readings
+                        .get(source)
+                        .map_or(0, |r| self.clock.deadline(*r, sent, self.limit));
+                    script::call(
+                        fence,
+                        &b.stream,
+                        b.partition,
+                        b.epoch,
+                        b.known,
+                        deadline,
+                        &b.entries,
+                    )
                 })
-                .collect();
-            let replies = self.conn.run_each(calls).await;
+                .collect::<Vec<_>>();
+            let n = calls.len();
+            let replies: Vec<Result<redis::Value, PublishError>> =
+                match tokio::time::timeout(self.limit, self.conn.run_each(calls)).await {
+                    Ok(replies) => replies
+                        .into_iter()
+                        .map(|r| r.map_err(PublishError::from_redis))
+                        .collect(),
+                    Err(_) => (0..n)
+                        .map(|_| Err(PublishError::timed_out(self.limit)))
+                        .collect(),
+                };
             let mut again = Vec::new();
-            for ((i, fence), reply) in todo.into_iter().zip(replies) {
+            for (((i, fence), reply), source) in todo.into_iter().zip(replies).zip(sources) {
                 out[i] = Some(match reply {
-                    Ok(v) => script::parse_reply(v)?,
-                    Err(e) => {
-                        let error = PublishError::from_redis(e);
+                    Ok(v) => {
+                        let outcome = script::parse_reply(v)?;
+                        if matches!(&outcome, StreamOutcome::Failed { error, .. } if error.is_late())
+                        {
+                            // Maybe a server with another clock now: read it again.
+                            self.clock.forget(source);
+                        }
+                        outcome
+                    }
+                    Err(error) => {
                         if error.is_noscript() && !loaded {
                             again.push((i, fence));
                             continue;

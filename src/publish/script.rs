@@ -8,7 +8,8 @@ use super::entry::{Entry, FIXED, OPTIONAL, field};
 use super::{PublishError, StreamOutcome};
 
 /// KEYS[1]: fence hash, KEYS[2]: stream. ARGV[1]: partition, ARGV[2]: epoch, ARGV[3]: `1` when
-/// the stream is known to have been written before (its fence hash must exist), then per entry:
+/// the stream is known to have been written before (its fence hash must exist), ARGV[4]: the
+/// call's deadline in Redis's milliseconds (`0`: none; `clock`), then per entry:
 /// its shape (which optional fields it has, [`Entry`]'s bits) and the values it brings, in field
 /// order. Field names and constant values are literals of the script (generated from
 /// [`FIXED`] and [`OPTIONAL`]): Redis turns every argument into a Lua string and back, and
@@ -17,11 +18,19 @@ use super::{PublishError, StreamOutcome};
 /// A negative epoch skips the fence entirely (only the `fence-off` fault point sends one, to show in
 /// tests what the fence prevents).
 ///
-/// Returns `{'lost'}` when a known stream has no fence hash (Redis lost its data: nothing is
+/// Returns `{'late'}` when the call runs after its deadline (its node gave up on it: nothing is
+/// appended), `{'lost'}` when a known stream has no fence hash (Redis lost its data: nothing is
 /// appended until the loss is handled), `{'fenced', current}` when a newer epoch is recorded;
 /// otherwise `{'ok', id...}`, or `{'error', message, id...}` when an `XADD` was refused after the
 /// listed ids were appended.
 const LUA_FENCE: &str = r"
+local deadline = tonumber(ARGV[4])
+if deadline > 0 then
+  local t = redis.call('TIME')
+  if tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) > deadline then
+    return {'late'}
+  end
+end
 local fence = redis.call('HGET', KEYS[1], ARGV[1])
 if not fence and ARGV[3] == '1' and redis.call('EXISTS', KEYS[1]) == 0 then
   return {'lost'}
@@ -36,7 +45,7 @@ if current < epoch then
 end
 local stream = KEYS[2]
 local out = {'ok'}
-local i = 4
+local i = 5
 local last = #ARGV
 while i <= last do
   local shape = ARGV[i]
@@ -109,13 +118,14 @@ pub(super) fn call(
     partition: i32,
     epoch: i64,
     known: bool,
+    deadline: i64,
     entries: &[Entry],
 ) -> Cmd {
     // Sized up front: a call carries a whole batch (hundreds of kilobytes when draining), and
     // growing the buffer would copy it several times over.
     let (args, bytes) = entries
         .iter()
-        .fold((8, 128 + stream.len() * 2), |(a, b), e| {
+        .fold((9, 144 + stream.len() * 2), |(a, b), e| {
             e.values()
                 .fold((a + 1, b + 1), |(a, b), v| (a + 1, b + v.len()))
         });
@@ -127,7 +137,8 @@ pub(super) fn call(
         .arg(stream)
         .arg(partition)
         .arg(epoch)
-        .arg(if known { "1" } else { "0" });
+        .arg(if known { "1" } else { "0" })
+        .arg(deadline);
     for entry in entries {
         cmd.arg(entry.shape());
         for value in entry.values() {
@@ -168,6 +179,10 @@ pub(super) fn parse_reply(v: Value) -> Result<StreamOutcome, PublishError> {
     match it.next().and_then(text).as_deref() {
         Some("ok") => Ok(StreamOutcome::Published(it.filter_map(text).collect())),
         Some("lost") => Ok(StreamOutcome::Lost),
+        Some("late") => Ok(StreamOutcome::Failed {
+            ids: Vec::new(),
+            error: PublishError::late(),
+        }),
         Some("fenced") => {
             let current = it
                 .next()
