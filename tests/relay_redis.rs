@@ -283,14 +283,9 @@ async fn script_calls(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
         .map_or(0, |n| n.parse().unwrap())
 }
 
-/// A publish call that reaches Redis only after its node gave up on it appends nothing: here
-/// Redis holds it (paused for writes) past the node's response timeout, then runs it. Without the
-/// deadline every call would land whenever it got through — after the node had moved on.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_call_run_after_its_node_gave_up_appends_nothing() {
-    let own = OwnRedis::start_ephemeral();
-    let mut conn = own.conn().await;
-    let publisher = Publisher::connect(&RedisSettings {
+/// A publisher of the test's own with a 500 ms response timeout.
+async fn publisher(own: &OwnRedis) -> Publisher {
+    Publisher::connect(&RedisSettings {
         url: own.url(),
         key_prefix: "late:".to_owned(),
         connect_timeout: Duration::from_secs(2),
@@ -298,10 +293,13 @@ async fn a_call_run_after_its_node_gave_up_appends_nothing() {
         topology: Topology::Single,
     })
     .await
-    .unwrap();
-    let stream = publisher.stream_key("s");
-    let batch = |seq: i64| StreamBatch {
-        stream: stream.clone(),
+    .unwrap()
+}
+
+/// A batch of one event, the `seq`th of one aggregate, for `stream`.
+fn one_event(stream: &str, seq: i64) -> StreamBatch {
+    StreamBatch {
+        stream: stream.to_owned(),
         partition: 0,
         epoch: 1,
         known: seq > 1,
@@ -319,7 +317,23 @@ async fn a_call_run_after_its_node_gave_up_appends_nothing() {
             })
             .unwrap(),
         ],
-    };
+    }
+}
+
+fn published(out: &[StreamOutcome]) -> bool {
+    matches!(out, [StreamOutcome::Published(_)])
+}
+
+/// A publish call that reaches Redis only after its node gave up on it appends nothing: here
+/// Redis holds it (paused for writes) past the node's response timeout, then runs it. Without the
+/// deadline every call would land whenever it got through — after the node had moved on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_run_after_its_node_gave_up_appends_nothing() {
+    let own = OwnRedis::start_ephemeral();
+    let mut conn = own.conn().await;
+    let publisher = publisher(&own).await;
+    let stream = publisher.stream_key("s");
+    let batch = |seq| one_event(&stream, seq);
     let xlen = |mut c: redis::aio::MultiplexedConnection| {
         let stream = stream.clone();
         async move {
@@ -330,8 +344,7 @@ async fn a_call_run_after_its_node_gave_up_appends_nothing() {
                 .unwrap()
         }
     };
-    let published = |out: Vec<StreamOutcome>| matches!(&out[..], [StreamOutcome::Published(_)]);
-    assert!(published(publisher.publish(&[batch(1)]).await.unwrap()));
+    assert!(published(&publisher.publish(&[batch(1)]).await.unwrap()));
     let ran = script_calls(&mut conn).await;
 
     // Scripts wait while Redis is paused for writes; TIME is still answered.
@@ -356,7 +369,7 @@ async fn a_call_run_after_its_node_gave_up_appends_nothing() {
     );
 
     // The node sends it again, and it is appended once.
-    assert!(published(publisher.publish(&[batch(2)]).await.unwrap()));
+    assert!(published(&publisher.publish(&[batch(2)]).await.unwrap()));
     assert_eq!(xlen(conn.clone()).await, 2);
 }
 
@@ -474,4 +487,26 @@ async fn redis_that_may_evict_is_refused_or_reported() {
     assert_eq!(body["redis_server"]["may_evict"], true);
     assert_eq!(body["redis_server"]["appendonly"], false);
     node.shutdown().await;
+}
+
+/// A Redis that refuses `TIME` (here: the command is disabled; a proxy that does not pass it on
+/// answers the same) still gets every event: its calls go without a deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_that_refuses_time_still_gets_every_event() {
+    let own = OwnRedis::start_with(&["--appendonly", "no", "--rename-command", "TIME", ""]);
+    let mut conn = own.conn().await;
+    let refused: redis::RedisResult<Vec<String>> = redis::cmd("TIME").query_async(&mut conn).await;
+    assert!(refused.is_err(), "TIME is disabled");
+    let publisher = publisher(&own).await;
+    let stream = publisher.stream_key("s");
+    for seq in 1..=3 {
+        let out = publisher.publish(&[one_event(&stream, seq)]).await.unwrap();
+        assert!(published(&out), "{out:?}");
+    }
+    let n: u64 = redis::cmd("XLEN")
+        .arg(&stream)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(n, 3);
 }

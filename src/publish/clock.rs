@@ -20,9 +20,14 @@
 //! been stepped, or a failover brought a server with another clock). A Redis clock stepped back
 //! by more than the margin weakens the deadline until the next reading; stepped forward, calls
 //! are refused as late until then.
+//!
+//! A server that refuses `TIME` itself (a proxy in front of several Redis servers that does not
+//! pass it on, an ACL without it) leaves its calls without a deadline, as before deadlines
+//! existed; the node says so once in its log and asks again at each refresh.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
+use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
 use redis::cluster_routing::Slot;
@@ -37,10 +42,11 @@ pub(super) const MARGIN: Duration = Duration::from_millis(25);
 /// Whose clock: the single Redis (`None`), or the cluster primary holding a slot.
 pub(super) type Source = Option<Slot>;
 
-/// A reading: Redis's time in milliseconds minus the node's at the moment the answer came.
+/// A reading: Redis's time in milliseconds minus the node's at the moment the answer came
+/// (`None`: the server refused `TIME`).
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Reading {
-    offset_ms: i64,
+    offset_ms: Option<i64>,
     taken: Instant,
 }
 
@@ -50,6 +56,8 @@ pub(super) struct RedisClock {
     /// The node's zero: local times are milliseconds since it.
     anchor: Instant,
     readings: Mutex<HashMap<Source, Reading>>,
+    /// The node said once that a server refuses `TIME`.
+    pub(super) warned: AtomicBool,
 }
 
 impl RedisClock {
@@ -57,6 +65,7 @@ impl RedisClock {
         Self {
             anchor: Instant::now(),
             readings: Mutex::new(HashMap::new()),
+            warned: AtomicBool::new(false),
         }
     }
 
@@ -79,10 +88,16 @@ impl RedisClock {
             .copied()
     }
 
-    /// Records `TIME`'s answer (`redis_ms`) that arrived at `received`.
-    pub(super) fn record(&self, source: Source, redis_ms: i64, received: Instant) -> Reading {
+    /// Records `TIME`'s answer (`redis_ms`; `None` when the server refused the command) that
+    /// arrived at `received`.
+    pub(super) fn record(
+        &self,
+        source: Source,
+        redis_ms: Option<i64>,
+        received: Instant,
+    ) -> Reading {
         let reading = Reading {
-            offset_ms: redis_ms.saturating_sub(self.local_ms(received)),
+            offset_ms: redis_ms.map(|ms| ms.saturating_sub(self.local_ms(received))),
             taken: received,
         };
         self.lock().insert(source, reading);
@@ -95,11 +110,15 @@ impl RedisClock {
     }
 
     /// The deadline, in the milliseconds of the clock `reading` is of, of a call sent no earlier
-    /// than `sent` that the node gives up on `limit` after sending it.
+    /// than `sent` that the node gives up on `limit` after sending it; `0` (none) when the
+    /// server refused `TIME`.
     pub(super) fn deadline(&self, reading: Reading, sent: Instant, limit: Duration) -> i64 {
+        let Some(offset_ms) = reading.offset_ms else {
+            return 0;
+        };
         let give_up = self.local_ms(sent)
             + i64::try_from(limit.saturating_sub(MARGIN).as_millis()).unwrap_or(i64::MAX / 2);
-        give_up.saturating_add(reading.offset_ms)
+        give_up.saturating_add(offset_ms)
     }
 }
 
@@ -120,7 +139,7 @@ mod tests {
         let start = clock.anchor + Duration::from_secs(1);
         assert!(clock.fresh(None, start).is_none());
         // Redis says 1,000,000 ms when the answer arrives at local 1,000 ms.
-        let reading = clock.record(None, 1_000_000, start);
+        let reading = clock.record(None, Some(1_000_000), start);
         assert!(clock.fresh(None, start + Duration::from_secs(9)).is_some());
         assert!(clock.fresh(None, start + REFRESH).is_none());
         let sent = start + Duration::from_millis(500);
@@ -128,8 +147,16 @@ mod tests {
             clock.deadline(reading, sent, Duration::from_secs(2)),
             1_000_000 + 500 + 2_000 - 25
         );
+        // A server that refuses TIME: no deadline.
+        let slot = Some(Slot::for_key("orders"));
+        let refused = clock.record(slot, None, start);
+        assert_eq!(clock.deadline(refused, sent, Duration::from_secs(2)), 0);
         // Each source has its own clock.
-        assert!(clock.fresh(Some(Slot::for_key("orders")), start).is_none());
+        assert!(
+            clock
+                .fresh(Some(Slot::for_key("payments")), start)
+                .is_none()
+        );
         clock.forget(None);
         assert!(clock.fresh(None, start).is_none());
     }

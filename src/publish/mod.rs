@@ -202,13 +202,35 @@ impl Publisher {
             }
         }
         let answers = join_all(unread.iter().map(|&source| async move {
-            let time = tokio::time::timeout(self.limit, self.conn.time(source))
+            let answer = tokio::time::timeout(self.limit, self.conn.time(source))
                 .await
                 .map_err(|_| PublishError::timed_out(self.limit))?
-                .map_err(PublishError::from_redis)?;
+                .map_err(PublishError::from_redis);
             let received = Instant::now();
-            let ms = clock::time_ms(&time)
-                .ok_or_else(|| PublishError::event("PROTOCOL", "unexpected reply to TIME"))?;
+            let ms =
+                match answer {
+                    Ok(time) => Some(clock::time_ms(&time).ok_or_else(|| {
+                        PublishError::event("PROTOCOL", "unexpected reply to TIME")
+                    })?),
+                    // The server refused the command itself (a proxy that does not pass it on, an
+                    // ACL without it): calls go without a deadline.
+                    Err(e) if e.class() == ErrorClass::Permanent => {
+                        if !self
+                            .clock
+                            .warned
+                            .swap(true, std::sync::atomic::Ordering::Relaxed)
+                        {
+                            tracing::warn!(
+                                error = %e,
+                                "Redis refuses TIME: publish calls go without a deadline, so calls \
+                                 held up in the network may append late copies (allow TIME for \
+                                 Outpost's user, or connect to Redis without a proxy)"
+                            );
+                        }
+                        None
+                    }
+                    Err(e) => return Err(e),
+                };
             Ok::<_, PublishError>((source, self.clock.record(source, ms, received)))
         }))
         .await;
