@@ -99,6 +99,11 @@ struct Setup {
 
 impl Setup {
     async fn start(server: Server, node_id: &str) -> Self {
+        Self::start_over(server, node_id, Duration::ZERO).await
+    }
+
+    /// [`Setup::start`] over a link that delays every byte by `delay` each way from the start.
+    async fn start_over(server: Server, node_id: &str, delay: Duration) -> Self {
         let db = TestDb::new().await;
         let redis = TestRedis::new();
         let (proxy, key, url) = match server {
@@ -112,6 +117,7 @@ impl Setup {
                 (Proxy::start(host).await, "database.url", db.url.clone())
             }
         };
+        proxy.delay(delay);
         let config =
             support::relay_config_for(&db, &redis, node_id, &[(key, &proxy.url_for(&url))]);
         let node = support::start_node(config).await;
@@ -210,4 +216,25 @@ async fn a_partition_from_postgres_longer_than_a_lease_loses_nothing() {
     let s = Setup::start(Server::Postgres, "net-pg-hold").await;
     s.partition().await;
     let _ = s.finish("partition from PostgreSQL").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_slow_link_to_redis_costs_no_copy_and_refuses_no_call() {
+    // 150 ms each way, from the node's first reading of Redis's clock on: a round trip takes
+    // 300 ms of the node's 1 s response timeout. The reading's error (up to the 150 ms an answer
+    // is on its way) only makes deadlines earlier, never so early that a call in time is
+    // refused.
+    let s = Setup::start_over(Server::Redis, "net-redis-slow", Duration::from_millis(150)).await;
+    wait_more(&s.redis, 200, "events published over the slow link").await;
+    let (_, metrics) = support::http_get(&s.node.admin_addr().to_string(), "/metrics").await;
+    let failures: Vec<&str> = metrics
+        .lines()
+        .filter(|l| l.starts_with("outpost_publish_failures_total"))
+        .collect();
+    assert!(
+        failures.is_empty(),
+        "no call failed or was refused: {failures:?}"
+    );
+    let d = s.finish("slow link to Redis").await;
+    assert_eq!(d.duplicates(), 0, "no copies");
 }

@@ -1,15 +1,16 @@
 //! A TCP proxy of the test's own, put between a node and PostgreSQL or Redis to make the network
 //! misbehave: hold every byte for a while (a partition that heals: TCP retransmits, nothing is
-//! lost, everything is late), or let a request through and lose its reply (the write landed,
-//! the caller never heard).
+//! lost, everything is late), let a request through and lose its reply (the write landed, the
+//! caller never heard), or delay every byte (a slow link).
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 use tokio::task::AbortHandle;
 
 /// A proxy forwarding `127.0.0.1:<port>` to a target address. Dropping it stops it and cuts its
@@ -29,6 +30,8 @@ struct Shared {
     lose_replies: AtomicU64,
     /// Replies lost so far.
     lost: AtomicU64,
+    /// Microseconds each chunk spends on its way, in either direction.
+    delay_us: AtomicU64,
     /// Every pump task, so that a cut can end them all.
     pumps: Mutex<Vec<AbortHandle>>,
 }
@@ -48,6 +51,7 @@ impl Proxy {
             held: watch::channel(false).0,
             lose_replies: AtomicU64::new(0),
             lost: AtomicU64::new(0),
+            delay_us: AtomicU64::new(0),
             pumps: Mutex::new(Vec::new()),
         });
         let s = shared.clone();
@@ -103,6 +107,13 @@ impl Proxy {
         self.shared.lose_replies.store(n, Ordering::SeqCst);
     }
 
+    /// Delays every chunk by `delay` in each direction (a round trip costs twice that), from
+    /// the next chunk read on.
+    pub fn delay(&self, delay: Duration) {
+        let us = u64::try_from(delay.as_micros()).expect("a short delay");
+        self.shared.delay_us.store(us, Ordering::SeqCst);
+    }
+
     /// Replies lost so far.
     pub fn lost(&self) -> u64 {
         self.shared.lost.load(Ordering::SeqCst)
@@ -152,7 +163,8 @@ impl Shared {
         let _ = held.wait_for(|h| !*h).await;
     }
 
-    /// Copies `from` to `to` until either side closes, holding while held; `replies` marks the
+    /// Copies `from` to `to` until either side closes: each chunk read is sent on its way at
+    /// once and written after the delay, in order, holding while held; `replies` marks the
     /// server-to-client direction, whose chunks may be lost.
     async fn pump(
         self: Arc<Self>,
@@ -162,28 +174,53 @@ impl Shared {
         done: watch::Sender<bool>,
         mut other_done: watch::Receiver<bool>,
     ) {
-        let mut buf = vec![0u8; 64 * 1024];
-        loop {
-            let n = tokio::select! {
-                r = from.read(&mut buf) => match r {
-                    Ok(0) | Err(_) => break,
-                    Ok(n) => n,
-                },
-                _ = other_done.wait_for(|d| *d) => break,
-            };
-            self.wait_released().await;
-            if replies
-                && self
-                    .lose_replies
-                    .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
-                    .is_ok()
-            {
-                self.lost.fetch_add(1, Ordering::SeqCst);
-                break;
+        let (tx, mut rx) = mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
+        let writer = async {
+            while let Some((due, chunk)) = rx.recv().await {
+                tokio::time::sleep_until(due.into()).await;
+                self.wait_released().await;
+                if replies
+                    && self
+                        .lose_replies
+                        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                        .is_ok()
+                {
+                    self.lost.fetch_add(1, Ordering::SeqCst);
+                    return;
+                }
+                if to.write_all(&chunk).await.is_err() {
+                    return;
+                }
             }
-            if to.write_all(&buf[..n]).await.is_err() {
-                break;
+        };
+        let shared = self.clone();
+        let reader = async move {
+            let mut buf = vec![0u8; 64 * 1024];
+            loop {
+                let n = tokio::select! {
+                    r = from.read(&mut buf) => match r {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => n,
+                    },
+                    _ = other_done.wait_for(|d| *d) => return,
+                };
+                let delay = Duration::from_micros(shared.delay_us.load(Ordering::SeqCst));
+                if tx
+                    .send((Instant::now() + delay, buf[..n].to_vec()))
+                    .is_err()
+                {
+                    return;
+                }
             }
+        };
+        // The writer ends the pump: when it loses a reply or cannot write, or, once the reader
+        // has ended (and dropped the sender), after writing everything read before the end.
+        tokio::select! {
+            () = writer => {}
+            () = async {
+                reader.await;
+                std::future::pending::<()>().await;
+            } => {}
         }
         let _ = done.send(true);
     }
