@@ -6,7 +6,7 @@
 //! deadline, every call a node sent during a partition ran when the partition healed — each one
 //! a claim of its partition's ready rows — so a three-second partition appended hundreds of
 //! copies, some of them after later events of their aggregates. With one, the script refuses a
-//! call that runs after the moment its node gave up ([`super::StreamOutcome`]'s `Late` error):
+//! call that runs after the moment its node gave up (a failed outcome with the transient `LATE`):
 //! a call either runs while its node still waits for the answer, or not at all. The node sends a
 //! partition's next call only after giving up on the previous one, so no call runs after a later
 //! call of its partition, and a lost answer costs at most that call's entries once more.

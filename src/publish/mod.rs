@@ -286,6 +286,7 @@ impl Publisher {
                 .zip(&sources)
                 .map(|((i, fence), source)| {
                     let b = &batches[*i];
+                    // `read_clocks` returned a reading for every source, or an error.
                     let deadline = readings
                         .get(source)
                         .map_or(0, |r| self.clock.deadline(*r, sent, self.limit));
