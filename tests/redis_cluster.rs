@@ -352,3 +352,89 @@ async fn a_killed_master_fails_over_to_its_replica_and_nothing_is_lost() {
     );
     node.shutdown().await;
 }
+
+/// A master paused for writes longer than the node waits for a call (twice the response timeout
+/// on a cluster, 2 s here): the calls it holds run when the pause ends, after their deadline in
+/// that master's clock, and append nothing; the calls the other masters answered meanwhile in
+/// the same round count as published (before, the round's time limit, and with fault points
+/// compiled in the second half of a split round, threw their answers away and they were
+/// appended again: 1–197 copies). Nothing is lost, first deliveries stay in order, and no event
+/// is appended twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_paused_master_runs_the_calls_it_held_as_late_and_costs_no_copy() {
+    let cluster = RedisCluster::start(3).await;
+    let db = TestDb::with_pool(8).await;
+    let prefix = prefix();
+    let node = cluster_node(&db, &cluster, &prefix, &[]).await;
+    let types: Vec<String> = (0..12).map(|i| format!("kind{i}")).collect();
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = support::write_until(&db, stop.clone(), move |i| {
+        (0..4)
+            .map(|k| {
+                let n = i * 4 + k;
+                let t = &types[usize::try_from(n).unwrap() % types.len()];
+                EventFact::new(t, format!("a{}", n % 30), "t", json!({"n": n}))
+            })
+            .collect()
+    });
+    let conn = cluster.conn().await;
+    let delivered = |n: usize| {
+        let (mut c, prefix) = (conn.clone(), prefix.clone());
+        async move { Deliveries::collect(&mut c, &prefix).await.unique() >= n }
+    };
+    wait_until(30, "events published before the pause", || delivered(200)).await;
+
+    let slot = cluster.slot_of(&format!("{prefix}events:kind0")).await;
+    let (port, _, _) = cluster.owner(slot).await;
+    let mut master = redis::Client::open(format!("redis://127.0.0.1:{port}"))
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(3000)
+        .arg("WRITE")
+        .query_async(&mut master)
+        .await
+        .unwrap();
+    // The pause is the fault: it ends by itself after 3 s. Publishing resumes after it.
+    let at = Deliveries::collect(&mut conn.clone(), &prefix)
+        .await
+        .unique();
+    wait_until(60, "publishing to resume after the pause", || {
+        delivered(at + 400)
+    })
+    .await;
+
+    stop.store(true, Ordering::Relaxed);
+    let ids = writer.await.unwrap();
+    check_delivered(&db, &cluster, &prefix, &ids).await;
+    let d = Deliveries::collect(&mut conn.clone(), &prefix).await;
+    // Copies per side: on the paused master, and on the others.
+    let (mut held, mut others) = (0, 0);
+    for (stream, entries) in support::read_streams(&mut conn.clone(), &prefix).await {
+        let paused = cluster.owner(cluster.slot_of(&stream).await).await.0 == port;
+        let mut seen = std::collections::HashMap::new();
+        for (id, f) in entries {
+            let event = f.get("ce_id").cloned().unwrap_or_default();
+            if let Some(first) = seen.insert(event.clone(), id.clone()) {
+                eprintln!("{event} in {stream} at {first} and {id} (paused master: {paused})");
+                *(if paused { &mut held } else { &mut others }) += 1;
+            }
+        }
+    }
+    let (_, metrics) = support::http_get(&node.admin_addr().to_string(), "/metrics").await;
+    let failures = metrics
+        .lines()
+        .filter(|l| l.starts_with("outpost_publish_failures_total"))
+        .collect::<Vec<_>>();
+    eprintln!(
+        "{} events, {} copies ({held} on the paused master, {others} on the others); {failures:?}",
+        ids.len(),
+        d.duplicates()
+    );
+    assert_eq!(held, 0, "no call held by the pause appended");
+    assert_eq!(others, 0, "no answer of the other masters was thrown away");
+    node.shutdown().await;
+}

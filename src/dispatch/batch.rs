@@ -600,7 +600,14 @@ async fn publish(
         let (a, b) = batches.split_at(batches.len() / 2);
         let mut out = worker.publisher.publish(a).await?;
         fail::fail_point!("mid-batch", |_| std::process::abort());
-        out.extend(worker.publisher.publish(b).await?);
+        // What the first call appended stays published when the second gets nowhere.
+        match worker.publisher.publish(b).await {
+            Ok(more) => out.extend(more),
+            Err(error) => out.extend(b.iter().map(|_| StreamOutcome::Failed {
+                ids: Vec::new(),
+                error: error.clone(),
+            })),
+        }
         return Ok(out);
     }
     worker.publisher.publish(batches).await

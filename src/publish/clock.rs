@@ -6,20 +6,27 @@
 //! deadline, every call a node sent during a partition ran when the partition healed — each one
 //! a claim of its partition's ready rows — so a three-second partition appended hundreds of
 //! copies, some of them after later events of their aggregates. With one, the script refuses a
-//! call that runs after the moment its node gave up (a failed outcome with the transient `LATE`):
-//! a call either runs while its node still waits for the answer, or not at all. The node sends a
-//! partition's next call only after giving up on the previous one, so no call runs after a later
-//! call of its partition, and a lost answer costs at most that call's entries once more.
+//! call that runs too late for its answer to reach the node while it waits (a failed outcome with
+//! the transient `LATE`): a call either runs while its node still waits for the answer, or not at
+//! all. The node sends a partition's next call only after giving up on the previous one, so no
+//! call runs after a later call of its partition, and a lost answer costs at most that call's
+//! entries once more.
 //!
-//! The deadline is the Redis time of the moment the node gives up, less a margin. The node
-//! reads Redis's clock with `TIME` (on a cluster, the clock of the primary holding the stream's
-//! slot) and keeps the lowest offset the reading allows (`TIME`'s answer minus the moment the
-//! answer arrived: the true offset is no lower), so a deadline is never later than the true
-//! one by more than the clocks drift between readings, which [`MARGIN`] covers. A reading is
+//! The deadline is the Redis time of the moment half of the node's wait has passed: a call must
+//! run in the first half, and the second half is for its answer to come back. The answer can lag
+//! well behind the run: a server that catches up on held calls (a paused Redis, a healed
+//! partition) runs every call a connection queued before writing any of their answers, and a
+//! call run just before the moment the node gives up would have its answer lost, appending its
+//! entries for nothing. The half also covers the truncation of `TIME` to milliseconds and the
+//! drift of the two clocks between readings (NTP slews a clock by at most 500 µs per second:
+//! 5 ms over [`REFRESH`]). The node reads Redis's clock with `TIME` (on a cluster, the clock of
+//! the primary holding the stream's slot) and keeps the lowest offset the reading allows
+//! (`TIME`'s answer minus the moment the answer arrived: the true offset is no lower), so a
+//! deadline is never later than the true one by more than that drift. A reading is
 //! taken again after [`REFRESH`] and after a call was refused as late (Redis's clock may have
 //! been stepped, or a failover brought a server with another clock). A Redis clock stepped back
-//! by more than the margin weakens the deadline until the next reading; stepped forward, calls
-//! are refused as late until then.
+//! by more than half the wait weakens the deadline until the next reading; stepped forward,
+//! calls are refused as late until then.
 //!
 //! A server that refuses `TIME` itself (a proxy in front of several Redis servers that does not
 //! pass it on, an ACL without it) leaves its calls without a deadline, as before deadlines
@@ -34,10 +41,6 @@ use redis::cluster_routing::Slot;
 
 /// How long a reading of Redis's clock is used before it is taken again.
 pub(super) const REFRESH: Duration = Duration::from_secs(10);
-
-/// Taken off every deadline: the millisecond `TIME` is truncated to, and the drift of two clocks
-/// over [`REFRESH`] (NTP slews a clock by at most 500 µs per second: 5 ms), with room to spare.
-pub(super) const MARGIN: Duration = Duration::from_millis(25);
 
 /// Whose clock: the single Redis (`None`), or the cluster primary holding a slot.
 pub(super) type Source = Option<Slot>;
@@ -110,15 +113,15 @@ impl RedisClock {
     }
 
     /// The deadline, in the milliseconds of the clock `reading` is of, of a call sent no earlier
-    /// than `sent` that the node gives up on `limit` after sending it; `0` (none) when the
-    /// server refused `TIME`.
+    /// than `sent` that the node gives up on `limit` after sending it: half of `limit` after
+    /// `sent`; `0` (none) when the server refused `TIME`.
     pub(super) fn deadline(&self, reading: Reading, sent: Instant, limit: Duration) -> i64 {
         let Some(offset_ms) = reading.offset_ms else {
             return 0;
         };
-        let give_up = self.local_ms(sent)
-            + i64::try_from(limit.saturating_sub(MARGIN).as_millis()).unwrap_or(i64::MAX / 2);
-        give_up.saturating_add(offset_ms)
+        let run_by =
+            self.local_ms(sent) + i64::try_from((limit / 2).as_millis()).unwrap_or(i64::MAX / 2);
+        run_by.saturating_add(offset_ms)
     }
 }
 
@@ -134,7 +137,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_deadline_is_the_give_up_moment_in_redis_time_less_the_margin() {
+    fn a_deadline_is_half_the_wait_in_redis_time() {
         let clock = RedisClock::new();
         let start = clock.anchor + Duration::from_secs(1);
         assert!(clock.fresh(None, start).is_none());
@@ -145,7 +148,7 @@ mod tests {
         let sent = start + Duration::from_millis(500);
         assert_eq!(
             clock.deadline(reading, sent, Duration::from_secs(2)),
-            1_000_000 + 500 + 2_000 - 25
+            1_000_000 + 500 + 1_000
         );
         // A server that refuses TIME: no deadline.
         let slot = Some(Slot::for_key("orders"));

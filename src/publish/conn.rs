@@ -88,16 +88,23 @@ impl RedisConn {
             }
             Topology::Cluster { seeds } => {
                 let nodes = cluster_nodes(url, seeds)?;
+                // How long a caller waits for a command, the client's retries included.
+                let wait = response_timeout * 2;
                 let client = ClusterClientBuilder::new(nodes)
                     .connection_timeout(connect_timeout)
-                    .response_timeout(response_timeout)
+                    // A command that got no answer is never sent again: the caller gives up
+                    // on it (`wait`) before a try of it times out, and the client re-sends only
+                    // commands whose caller still waits. Sent again, a command held by a paused
+                    // or slow server would run twice when the server catches up, and a
+                    // publish call's deadline refuses neither copy.
+                    .response_timeout(wait + Duration::from_secs(1))
+                    .overall_response_timeout(Some(wait))
                     // Redirects and TRYAGAIN during a slot migration are retried quickly; a
                     // cluster that stays down surfaces as an error within about a second, and
                     // the relay backs off on its own.
                     .retries(6)
                     .min_retry_wait(10)
                     .max_retry_wait(500)
-                    .overall_response_timeout(Some(response_timeout * 2))
                     .build()?;
                 Ok(Self::Cluster(client.get_async_connection().await?))
             }
@@ -109,13 +116,21 @@ impl RedisConn {
         matches!(self, Self::Cluster(_))
     }
 
-    /// Runs `cmds` and returns each command's result in the order given. On a single Redis they go as one pipeline, which runs them in
-    /// order; a pipeline that failed as a whole (connection lost, timeout) gives its error to
+    /// Runs `cmds` and returns each command's result in the order given, `None` for a command
+    /// with no answer within `limit`. On a single Redis they go as one pipeline, which runs them
+    /// in order; a pipeline that failed or timed out as a whole (connection lost) gives that to
     /// each command. On a cluster each command is sent on its own, all at once (the connection
-    /// to each master still pipelines them on the wire), in no promised order: the cluster
-    /// client retries a whole pipeline when one of its commands is redirected, which would run
-    /// the others twice — for the publish script, append their entries twice.
-    pub async fn run_each(&self, cmds: Vec<Cmd>) -> Vec<RedisResult<Value>> {
+    /// to each master still pipelines them on the wire), in no promised order, and each has its
+    /// own `limit`: a master that does not answer costs only its own commands, and the answers
+    /// of the others are kept (given up on, calls that ran would run again). One pipeline is
+    /// not used on a cluster because the cluster client retries a whole pipeline when one of its
+    /// commands is redirected, which would run the others twice — for the publish script,
+    /// append their entries twice.
+    pub async fn run_each(
+        &self,
+        cmds: Vec<Cmd>,
+        limit: Duration,
+    ) -> Vec<Option<RedisResult<Value>>> {
         match self {
             Self::Single(c) => {
                 let n = cmds.len();
@@ -124,26 +139,36 @@ impl RedisConn {
                 for cmd in cmds {
                     pipe.add_command(cmd);
                 }
-                match pipe
-                    .query_async::<Vec<RedisResult<Value>>>(&mut c.clone())
-                    .await
-                {
-                    Ok(replies) if replies.len() == n => replies,
-                    Ok(_) => (0..n)
+                let mut conn = c.clone();
+                let replies = tokio::time::timeout(
+                    limit,
+                    pipe.query_async::<Vec<RedisResult<Value>>>(&mut conn),
+                )
+                .await;
+                match replies {
+                    Ok(Ok(replies)) if replies.len() == n => {
+                        replies.into_iter().map(Some).collect()
+                    }
+                    Ok(Ok(_)) => (0..n)
                         .map(|_| {
-                            Err(RedisError::from((
+                            Some(Err(RedisError::from((
                                 redis::ErrorKind::Client,
                                 "a pipeline returned fewer replies than commands",
-                            )))
+                            ))))
                         })
                         .collect(),
-                    Err(e) => (0..n).map(|_| Err(e.clone())).collect(),
+                    Ok(Err(e)) => (0..n).map(|_| Some(Err(e.clone()))).collect(),
+                    Err(_) => (0..n).map(|_| None).collect(),
                 }
             }
             Self::Cluster(c) => {
                 join_all(cmds.iter().map(|cmd| {
                     let mut conn = c.clone();
-                    async move { cmd.query_async::<Value>(&mut conn).await }
+                    async move {
+                        tokio::time::timeout(limit, cmd.query_async::<Value>(&mut conn))
+                            .await
+                            .ok()
+                    }
                 }))
                 .await
             }

@@ -72,14 +72,15 @@ impl PublishError {
         }
     }
 
-    /// The publish script ran after its call's deadline, when the node had given up on it, and
-    /// appended nothing.
+    /// The publish script ran after its call's deadline (half the node's wait for the call: too
+    /// late for its answer to be sure to reach the node) and appended nothing.
     pub fn late() -> Self {
         Self {
             class: ErrorClass::Transient,
             code: "LATE".to_owned(),
-            message: "the call reached Redis after the node had given up on it; nothing was \
-                      appended (a slow or partitioned network, a paused Redis)"
+            message: "the call reached Redis too late to be answered in time (after half of \
+                      redis.response_timeout_ms); nothing was appended (a slow or partitioned \
+                      network, a paused or overloaded Redis)"
                 .to_owned(),
         }
     }

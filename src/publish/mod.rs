@@ -182,11 +182,14 @@ impl Publisher {
         self.conn.is_cluster().then(|| Slot::for_key(stream))
     }
 
-    /// A fresh reading of each of `sources`' clocks, reading with `TIME` those without one.
+    /// A fresh reading of each of `sources`' clocks, reading with `TIME` those without one, or
+    /// why it could not be read. A server that does not answer costs only its own calls: on a
+    /// cluster, a paused primary answers no `TIME` either (it comes behind the calls it holds on
+    /// the same connection), and the other primaries' calls go on without it.
     async fn read_clocks(
         &self,
         sources: &[clock::Source],
-    ) -> Result<HashMap<clock::Source, clock::Reading>, PublishError> {
+    ) -> HashMap<clock::Source, Result<clock::Reading, PublishError>> {
         let now = Instant::now();
         let mut readings = HashMap::new();
         let mut unread = Vec::new();
@@ -196,19 +199,19 @@ impl Publisher {
             }
             match self.clock.fresh(source, now) {
                 Some(r) => {
-                    readings.insert(source, r);
+                    readings.insert(source, Ok(r));
                 }
                 None => unread.push(source),
             }
         }
         let answers = join_all(unread.iter().map(|&source| async move {
-            let answer = tokio::time::timeout(self.limit, self.conn.time(source))
-                .await
-                .map_err(|_| PublishError::timed_out(self.limit))?
-                .map_err(PublishError::from_redis);
-            let received = Instant::now();
-            let ms =
-                match answer {
+            let reading = async {
+                let answer = tokio::time::timeout(self.limit, self.conn.time(source))
+                    .await
+                    .map_err(|_| PublishError::timed_out(self.limit))?
+                    .map_err(PublishError::from_redis);
+                let received = Instant::now();
+                let ms = match answer {
                     Ok(time) => Some(clock::time_ms(&time).ok_or_else(|| {
                         PublishError::event("PROTOCOL", "unexpected reply to TIME")
                     })?),
@@ -231,14 +234,13 @@ impl Publisher {
                     }
                     Err(e) => return Err(e),
                 };
-            Ok::<_, PublishError>((source, self.clock.record(source, ms, received)))
+                Ok::<_, PublishError>(self.clock.record(source, ms, received))
+            };
+            (source, reading.await)
         }))
         .await;
-        for answer in answers {
-            let (source, reading) = answer?;
-            readings.insert(source, reading);
-        }
-        Ok(readings)
+        readings.extend(answers);
+        readings
     }
 
     /// Appends every batch, each fenced by its partition's epoch, in one round of calls.
@@ -276,47 +278,58 @@ impl Publisher {
                 .iter()
                 .map(|(i, _)| self.clock_source(&batches[*i].stream))
                 .collect();
-            let readings = self.read_clocks(&sources).await?;
-            // Every call carries the moment this node gives up on it, in its Redis's time: a
-            // call that reaches Redis later (it sat in a partitioned network or a paused Redis)
-            // is refused, so it cannot append a claim the node has moved past (`clock`).
+            let readings = self.read_clocks(&sources).await;
+            // Every call carries the moment by which it must run, in its Redis's time: half the
+            // node's wait for it, so that its answer still finds the node waiting. A call that
+            // reaches Redis later (it sat in a partitioned network or a paused Redis) is
+            // refused, so it cannot append a claim the node has moved past (`clock`).
             let sent = Instant::now();
-            let calls = todo
-                .iter()
-                .zip(&sources)
-                .map(|((i, fence), source)| {
-                    let b = &batches[*i];
-                    // `read_clocks` returned a reading for every source, or an error.
-                    let deadline = readings
-                        .get(source)
-                        .map_or(0, |r| self.clock.deadline(*r, sent, self.limit));
-                    script::call(
-                        fence,
-                        &b.stream,
-                        b.partition,
-                        b.epoch,
-                        b.known,
-                        deadline,
-                        &b.entries,
-                    )
-                })
-                .collect::<Vec<_>>();
-            let n = calls.len();
-            let replies: Vec<Result<redis::Value, PublishError>> =
-                match tokio::time::timeout(self.limit, self.conn.run_each(calls)).await {
-                    Ok(replies) => replies
-                        .into_iter()
-                        .map(|r| r.map_err(PublishError::from_redis))
-                        .collect(),
-                    Err(_) => (0..n)
-                        .map(|_| Err(PublishError::timed_out(self.limit)))
-                        .collect(),
+            let mut calls = Vec::with_capacity(todo.len());
+            let mut sending = Vec::with_capacity(todo.len());
+            for ((i, fence), source) in todo.into_iter().zip(sources) {
+                // `read_clocks` answers for every source.
+                let deadline = match readings.get(&source) {
+                    Some(Ok(r)) => self.clock.deadline(*r, sent, self.limit),
+                    Some(Err(error)) => {
+                        out[i] = Some(StreamOutcome::Failed {
+                            ids: Vec::new(),
+                            error: error.clone(),
+                        });
+                        continue;
+                    }
+                    None => 0,
                 };
+                let b = &batches[i];
+                calls.push(script::call(
+                    &fence,
+                    &b.stream,
+                    b.partition,
+                    b.epoch,
+                    b.known,
+                    deadline,
+                    &b.entries,
+                ));
+                sending.push((i, fence, source));
+            }
+            let replies = if calls.is_empty() {
+                Vec::new()
+            } else {
+                self.conn.run_each(calls, self.limit).await
+            };
             let mut again = Vec::new();
-            for (((i, fence), reply), source) in todo.into_iter().zip(replies).zip(sources) {
+            for ((i, fence, source), reply) in sending.into_iter().zip(replies) {
+                let reply = match reply {
+                    Some(r) => r.map_err(PublishError::from_redis),
+                    None => Err(PublishError::timed_out(self.limit)),
+                };
                 out[i] = Some(match reply {
                     Ok(v) => {
-                        let outcome = script::parse_reply(v)?;
+                        // A reply that cannot be read fails its own call, not the others.
+                        let outcome =
+                            script::parse_reply(v).unwrap_or_else(|error| StreamOutcome::Failed {
+                                ids: Vec::new(),
+                                error,
+                            });
                         if matches!(&outcome, StreamOutcome::Failed { error, .. } if error.is_late())
                         {
                             // Maybe a server with another clock now: read it again.

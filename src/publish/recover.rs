@@ -45,17 +45,19 @@ impl Publisher {
             calls.push(exists);
             calls.push(info);
         }
-        let replies = self.conn.run_each(calls).await;
+        let replies = self.conn.run_each(calls, self.limit).await;
         let mut out = Vec::with_capacity(streams.len());
         for pair in replies.chunks(2) {
             let fence = match pair.first() {
-                Some(Ok(Value::Int(n))) => *n > 0,
-                Some(Err(e)) => return Err(PublishError::from_redis(e.clone())),
+                Some(Some(Ok(Value::Int(n)))) => *n > 0,
+                Some(Some(Err(e))) => return Err(PublishError::from_redis(e.clone())),
+                Some(None) => return Err(PublishError::timed_out(self.limit)),
                 _ => false,
             };
             // A missing stream answers "ERR no such key".
             let last = match pair.get(1) {
-                Some(Ok(v)) => last_generated_id(v),
+                Some(Some(Ok(v))) => last_generated_id(v),
+                Some(None) => return Err(PublishError::timed_out(self.limit)),
                 _ => None,
             };
             out.push(StreamPosition { fence, last });
