@@ -313,6 +313,27 @@ pub async fn read_stream(
     }
 }
 
+/// Entries in every stream under `prefix` (copies included): a cheap measure of progress to
+/// wait on, where reading the streams whole would, every few milliseconds, take the CPU the
+/// nodes in the test's process need (a debug build parses a large stream slowly).
+pub async fn stream_entries(
+    conn: &mut (impl redis::aio::ConnectionLike + Send),
+    prefix: &str,
+) -> usize {
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{prefix}events:*"))
+        .query_async(conn)
+        .await
+        .expect("KEYS");
+    let mut n = 0;
+    for k in keys {
+        // A key of another type (a poison test's) counts nothing.
+        let len: redis::RedisResult<usize> = redis::cmd("XLEN").arg(&k).query_async(conn).await;
+        n += len.unwrap_or(0);
+    }
+    n
+}
+
 /// Entries of every stream under `prefix` matching `events:*`, keyed by stream.
 pub async fn read_streams(
     conn: &mut (impl redis::aio::ConnectionLike + Send),
