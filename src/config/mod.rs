@@ -331,7 +331,7 @@ impl Default for RelayConfig {
             batch_bytes: 4_194_304,
             max_in_flight: 4,
             workers: 0,
-            busy_poll_ms: 2,
+            busy_poll_ms: 1,
             idle_after_ms: 20,
             max_attempts: 10,
             backoff_base_ms: 500,
