@@ -187,11 +187,7 @@ fn signal(child: &std::process::Child, sig: &str) {
 async fn a_node_stopped_past_its_lease_comes_back_without_loss_or_order_violations() {
     let db = TestDb::with_pool(8).await;
     let redis = TestRedis::new();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = support::free_port();
     let admin = format!("127.0.0.1:{port}");
     let args = support::relay_args(
         &db,

@@ -42,11 +42,7 @@ impl OwnRedis {
     }
 
     fn start_with(args: &[&'static str]) -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = support::free_port();
         let dir = std::env::temp_dir().join(format!("outpost-redis-{port}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let mut r = Self {

@@ -15,6 +15,7 @@ use std::time::Duration;
 use outpost::store::{self, ConnectSettings, Store, admin};
 
 pub mod consumer;
+pub mod pg_server;
 pub mod proxy;
 pub mod redis_cluster;
 
@@ -185,6 +186,15 @@ impl Drop for TestRedis {
     }
 }
 
+/// A loopback port free at the moment of asking (for a server the test starts).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind a loopback port")
+        .local_addr()
+        .expect("its address")
+        .port()
+}
+
 /// Waits until `check` returns true, polling every 20 ms, failing after `secs` seconds (a
 /// deadlock guard, not a timing assertion).
 pub async fn wait_until<F, Fut>(secs: u64, what: &str, mut check: F)
@@ -222,14 +232,14 @@ pub fn relay_config_for(
 
 /// The test relay settings as `(key, value)` overrides, `extra` last (so it wins).
 fn relay_overrides(
-    db: &TestDb,
+    database_url: &str,
     redis_url: &str,
     prefix: &str,
     node_id: &str,
     extra: &[(&str, &str)],
 ) -> Vec<(String, String)> {
     [
-        ("database.url", db.url.as_str()),
+        ("database.url", database_url),
         ("database.pool_size", "8"),
         ("redis.url", redis_url),
         ("redis.key_prefix", prefix),
@@ -265,7 +275,18 @@ pub fn relay_config_with(
     node_id: &str,
     extra: &[(&str, &str)],
 ) -> outpost::config::Config {
-    let overrides = relay_overrides(db, redis_url, prefix, node_id, extra);
+    relay_config_at(&db.url, redis_url, prefix, node_id, extra)
+}
+
+/// Like [`relay_config_with`] with a database URL of choice (a server of the test's own).
+pub fn relay_config_at(
+    database_url: &str,
+    redis_url: &str,
+    prefix: &str,
+    node_id: &str,
+    extra: &[(&str, &str)],
+) -> outpost::config::Config {
+    let overrides = relay_overrides(database_url, redis_url, prefix, node_id, extra);
     outpost::config::load(&outpost::config::LoadOptions {
         file: None,
         overrides,
@@ -455,7 +476,7 @@ pub fn relay_args(
     node_id: &str,
     extra: &[(&str, &str)],
 ) -> Vec<String> {
-    relay_overrides(db, redis_url, prefix, node_id, extra)
+    relay_overrides(&db.url, redis_url, prefix, node_id, extra)
         .into_iter()
         .flat_map(|(k, v)| ["--set".to_owned(), format!("{k}={v}")])
         .collect()
@@ -586,8 +607,13 @@ pub async fn stop_and_check(
 
 /// The single `int8` value `sql` returns.
 pub async fn scalar(db: &TestDb, sql: &str) -> i64 {
+    scalar_on(&db.store, sql).await
+}
+
+/// [`scalar`] on any store (a database of a server the test owns).
+pub async fn scalar_on(store: &Store, sql: &str) -> i64 {
     use sea_orm::ConnectionTrait;
-    db.store
+    store
         .connection()
         .query_one_raw(sea_orm::Statement::from_string(
             sea_orm::DbBackend::Postgres,
