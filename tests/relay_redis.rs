@@ -64,6 +64,9 @@ impl OwnRedis {
                 "127.0.0.1",
                 "--save",
                 "",
+                // `DEBUG SLEEP`, for the outage that blocks the whole server.
+                "--enable-debug-command",
+                "local",
             ])
             .args(&self.args)
             .arg("--dir")
@@ -164,7 +167,11 @@ fn writers(db: &TestDb, stop: Arc<AtomicBool>) -> tokio::task::JoinHandle<HashSe
 }
 
 enum Outage {
+    /// `CLIENT PAUSE 10000 ALL`: commands are held before they run.
     Pause,
+    /// `DEBUG SLEEP 10`: the server's event loop stops, commands it already read wait unrun
+    /// and answers it has not written yet wait too.
+    Sleep,
     Kill,
 }
 
@@ -208,6 +215,23 @@ async fn survive(outage: Outage) {
             .await;
             tokio::time::sleep(Duration::from_secs(9)).await;
         }
+        Outage::Sleep => {
+            let mut sleeper = own.conn().await;
+            let asleep = tokio::spawn(async move {
+                let _: () = redis::cmd("DEBUG")
+                    .arg("SLEEP")
+                    .arg(10)
+                    .query_async(&mut sleeper)
+                    .await
+                    .unwrap();
+            });
+            wait_until(30, "/readyz to say not ready", || async move {
+                readyz(admin).await == 503
+            })
+            .await;
+            // The server answers `DEBUG SLEEP` when it wakes up.
+            asleep.await.unwrap();
+        }
         Outage::Kill => {
             own.kill();
             wait_until(30, "/readyz to say not ready", || async move {
@@ -241,6 +265,16 @@ async fn survive(outage: Outage) {
         // seconds later, long after the node gave up on them, and are refused as late.
         assert_eq!(d.duplicates(), 0, "no call held by the pause appended");
     }
+    if let Outage::Sleep = outage {
+        // The calls a sleeping server had read run when it wakes, ten seconds late, and are
+        // refused; only those that ran just before the sleep and whose answers were held can
+        // have appended entries the node then sent again: at most the batches under way (2
+        // workers × 4 in flight × 100 rows).
+        assert!(
+            d.duplicates() <= 2 * 4 * 100,
+            "at most the batches under way when the server fell asleep"
+        );
+    }
     assert_eq!(
         scalar(
             &db,
@@ -259,6 +293,11 @@ async fn survive(outage: Outage) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn redis_paused_for_ten_seconds_loses_nothing_and_burns_no_attempt() {
     survive(Outage::Pause).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_asleep_for_ten_seconds_loses_nothing_and_burns_no_attempt() {
+    survive(Outage::Sleep).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
