@@ -167,7 +167,7 @@ impl OwnPostgres {
     }
 
     /// A crash of the server: SIGKILL to the postmaster (its backends notice and exit; the next
-    /// start runs crash recovery). Returns once the postmaster is gone.
+    /// start runs crash recovery, and waits out any of them still holding shared memory).
     pub fn kill(&mut self) {
         let Some(mut c) = self.child.take() else {
             // Not running (its `postmaster.pid` is stale and may name another process by now).
