@@ -642,6 +642,70 @@ async fn a_refused_request_for_nudges_is_made_again() {
     node.shutdown().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_request_for_nudges_lands_after_the_wake_up_that_came_before_it() {
+    // Waking up, the node clears `wants_nudge`; going idle again shortly after, it sets it. If
+    // the clearing reached the database late (a slow connection, a pool under load) and both
+    // writes were under way at once, it could land last: the node idle, the row saying "do not
+    // nudge", and every event waiting for the scheduled poll, twenty seconds away here.
+    let db = TestDb::new().await;
+    let redis = TestRedis::new();
+    let config = support::relay_config_for(
+        &db,
+        &redis,
+        "order-node",
+        &[
+            ("relay.idle_after_ms", "50"),
+            ("node.heartbeat_ms", "20000"),
+            ("node.lease_ms", "60000"),
+        ],
+    );
+    let node = support::start_node(config).await;
+    wait_for_idle_node(&db).await;
+    // The next write of the node row (the clearing) waits half a second before it touches the
+    // row; the ones after it do not.
+    db.store
+        .connection()
+        .execute_unprepared(
+            "CREATE SEQUENCE node_writes; CREATE SEQUENCE slow_write_done; \
+             CREATE FUNCTION slow_first_write() RETURNS trigger LANGUAGE plpgsql AS $$ \
+             BEGIN IF nextval('node_writes') = 1 THEN \
+               PERFORM pg_sleep(0.5); PERFORM nextval('slow_write_done'); END IF; \
+             RETURN NULL; END $$; \
+             CREATE TRIGGER slow_first_write BEFORE UPDATE ON outpost_node \
+             FOR EACH STATEMENT EXECUTE FUNCTION slow_first_write()",
+        )
+        .await
+        .unwrap();
+    let mut ids = commit(
+        &db,
+        vec![EventFact::new("kind0", "a", "t", json!({"n": 1}))],
+    )
+    .await;
+    wait_delivered(&redis, 1, 10).await;
+    wait_until(10, "the slow clearing to land", || async {
+        scalar(
+            &db,
+            "SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM slow_write_done",
+        )
+        .await
+            == 1
+    })
+    .await;
+    // The node went idle meanwhile: its request for nudges must be what the row says now.
+    wait_for_idle_node(&db).await;
+    ids.extend(
+        commit(
+            &db,
+            vec![EventFact::new("kind0", "a", "t", json!({"n": 2}))],
+        )
+        .await,
+    );
+    let d = wait_delivered(&redis, 2, 10).await;
+    assert_once_in_order(&d, &ids);
+    node.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn graceful_shutdown_mid_batch_loses_and_duplicates_nothing() {
     let db = TestDb::new().await;

@@ -187,6 +187,10 @@ pub struct NodeSupervisor {
     slots: BTreeMap<i32, Slot>,
     wake: Wakeup,
     poll_timer: Option<SpawnHandle>,
+    /// What `wants_nudge` should say, and whether a write of it is under way. One write at a
+    /// time: two in flight could land out of order, leaving an idle node marked as not wanting
+    /// nudges (producers would not NOTIFY and its events would wait for the scheduled poll).
+    nudge_flag: NudgeFlag,
     health: Arc<Health>,
     restarts: Arc<AtomicU64>,
     ticking: bool,
@@ -241,6 +245,7 @@ impl NodeSupervisor {
             slots: BTreeMap::new(),
             wake,
             poll_timer: None,
+            nudge_flag: NudgeFlag::default(),
             health,
             restarts,
             ticking: false,
@@ -847,23 +852,51 @@ impl NodeSupervisor {
             Action::AskForNudges => true,
             Action::StopNudges => false,
         };
+        self.nudge_flag.wanted = wants;
+        self.write_nudge_flag(ctx);
+    }
+
+    /// Writes `wants_nudge` as [`NudgeFlag::wanted`] says, unless a write is under way (that
+    /// write's end writes again if the wish changed meanwhile).
+    fn write_nudge_flag(&mut self, ctx: &mut Context<Self>) {
+        if self.nudge_flag.writing || self.nudge_flag.written == Some(self.nudge_flag.wanted) {
+            return;
+        }
+        let wants = self.nudge_flag.wanted;
+        self.nudge_flag.writing = true;
         let (store, node) = (self.store.clone(), self.settings.node_id.clone());
         ctx.spawn(
             async move { store.set_wants_nudge(&node, wants).await }
                 .into_actor(self)
-                .map(move |res, act, ctx| match res {
-                    // Entering idle: poll once more, so a commit that raced with the flag is
-                    // not left waiting for the scheduled poll.
-                    Ok(()) if wants => act.schedule_poll(ctx, Duration::ZERO),
-                    Ok(()) => {}
-                    Err(e) => {
-                        tracing::warn!(error = %e, "updating wants_nudge failed");
-                        if wants {
-                            // Producers were not asked to NOTIFY: keep polling, and ask again
-                            // after the next spell without work.
-                            act.wake.ask_failed(Instant::now());
-                            if let Some(wait) = act.wake.next_wait() {
-                                act.schedule_poll(ctx, wait);
+                .map(move |res, act, ctx| {
+                    act.nudge_flag.writing = false;
+                    let still_wanted = act.nudge_flag.wanted == wants;
+                    match res {
+                        Ok(()) => {
+                            act.nudge_flag.written = Some(wants);
+                            if still_wanted && wants {
+                                // Entering idle: poll once more, so a commit that raced with
+                                // the flag is not left waiting for the scheduled poll.
+                                act.schedule_poll(ctx, Duration::ZERO);
+                            }
+                            // The wish changed meanwhile: write the new one.
+                            act.write_nudge_flag(ctx);
+                        }
+                        Err(e) => {
+                            tracing::warn!(error = %e, "updating wants_nudge failed");
+                            // What the row says is unknown now: the next write goes through.
+                            act.nudge_flag.written = None;
+                            if !still_wanted {
+                                act.write_nudge_flag(ctx);
+                            } else if wants {
+                                // Producers were not asked to NOTIFY: keep polling, and ask
+                                // again after the next spell without work. (A failed write is
+                                // not retried at once: the database may be down.)
+                                act.nudge_flag.wanted = false;
+                                act.wake.ask_failed(Instant::now());
+                                if let Some(wait) = act.wake.next_wait() {
+                                    act.schedule_poll(ctx, wait);
+                                }
                             }
                         }
                     }
@@ -1152,6 +1185,18 @@ impl Handler<OwnedPartitions> for NodeSupervisor {
                 .collect(),
         )
     }
+}
+
+/// The node's wish for nudges and what it last wrote of it (`outpost_node.wants_nudge`).
+#[derive(Debug, Default)]
+struct NudgeFlag {
+    /// What the row should say: the wake-up state's last request.
+    wanted: bool,
+    /// What the last write that went through wrote (`None`: nothing yet, or the last write
+    /// failed and the row may say either).
+    written: Option<bool>,
+    /// A write is under way.
+    writing: bool,
 }
 
 /// Busy polls whose batches may be under way at once, per worker: a poll is due every
