@@ -576,16 +576,18 @@ async fn with_a_long_heartbeat_the_nudge_delivers() {
     node.shutdown().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_refused_request_for_nudges_is_made_again() {
-    // A node going idle asks producers to nudge it. When that update fails, the node must not
-    // wait for nudges nobody sends: it keeps polling and asks again.
-    let db = TestDb::new().await;
-    let redis = TestRedis::new();
+/// A node that goes idle 50 ms after its last work and polls on its own only every 20 s (its
+/// heartbeat), started and left idle; then `sql` runs (it changes how the node's row behaves).
+async fn idle_node_then(
+    db: &TestDb,
+    redis: &TestRedis,
+    node_id: &str,
+    sql: &str,
+) -> outpost::dispatch::node::NodeHandle {
     let config = support::relay_config_for(
-        &db,
-        &redis,
-        "ask-node",
+        db,
+        redis,
+        node_id,
         &[
             ("relay.idle_after_ms", "50"),
             ("node.heartbeat_ms", "20000"),
@@ -593,28 +595,39 @@ async fn a_refused_request_for_nudges_is_made_again() {
         ],
     );
     let node = support::start_node(config).await;
-    wait_for_idle_node(&db).await;
+    wait_for_idle_node(db).await;
+    db.store.connection().execute_unprepared(sql).await.unwrap();
+    node
+}
+
+/// Commits one event of aggregate `a` with payload `{"n": n}`; returns its id.
+async fn commit_nth(db: &TestDb, n: u32) -> Vec<String> {
+    commit(db, vec![EventFact::new("kind0", "a", "t", json!({"n": n}))]).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_request_for_nudges_is_made_again() {
+    // A node going idle asks producers to nudge it. When that update fails, the node must not
+    // wait for nudges nobody sends: it keeps polling and asks again.
+    let db = TestDb::new().await;
+    let redis = TestRedis::new();
     // From now on every request for nudges fails, and is counted (a sequence is not rolled back
     // with the failed update).
-    db.store
-        .connection()
-        .execute_unprepared(
-            "CREATE SEQUENCE ask_attempts; \
-             CREATE FUNCTION refuse_ask() RETURNS trigger LANGUAGE plpgsql AS $$ \
-             BEGIN PERFORM nextval('ask_attempts'); RAISE EXCEPTION 'refused for the test'; END $$; \
-             CREATE TRIGGER refuse_ask BEFORE UPDATE OF wants_nudge ON outpost_node \
-             FOR EACH ROW WHEN (NEW.wants_nudge AND NOT OLD.wants_nudge) \
-             EXECUTE FUNCTION refuse_ask()",
-        )
-        .await
-        .unwrap();
-    let attempts = "SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM ask_attempts";
-    // An event wakes the node (its nudge); the node then goes idle again, and its request fails.
-    let mut ids = commit(
+    let node = idle_node_then(
         &db,
-        vec![EventFact::new("kind0", "a", "t", json!({"n": 1}))],
+        &redis,
+        "ask-node",
+        "CREATE SEQUENCE ask_attempts; \
+         CREATE FUNCTION refuse_ask() RETURNS trigger LANGUAGE plpgsql AS $$ \
+         BEGIN PERFORM nextval('ask_attempts'); RAISE EXCEPTION 'refused for the test'; END $$; \
+         CREATE TRIGGER refuse_ask BEFORE UPDATE OF wants_nudge ON outpost_node \
+         FOR EACH ROW WHEN (NEW.wants_nudge AND NOT OLD.wants_nudge) \
+         EXECUTE FUNCTION refuse_ask()",
     )
     .await;
+    let attempts = "SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM ask_attempts";
+    // An event wakes the node (its nudge); the node then goes idle again, and its request fails.
+    let mut ids = commit_nth(&db, 1).await;
     wait_delivered(&redis, 1, 10).await;
     wait_until(
         10,
@@ -630,13 +643,7 @@ async fn a_refused_request_for_nudges_is_made_again() {
     // Its next request goes through; an event committed after it is nudged and delivered long
     // before the scheduled poll, twenty seconds away.
     wait_for_idle_node(&db).await;
-    ids.extend(
-        commit(
-            &db,
-            vec![EventFact::new("kind0", "a", "t", json!({"n": 2}))],
-        )
-        .await,
-    );
+    ids.extend(commit_nth(&db, 2).await);
     let d = wait_delivered(&redis, 2, 10).await;
     assert_once_in_order(&d, &ids);
     node.shutdown().await;
@@ -650,38 +657,22 @@ async fn the_request_for_nudges_lands_after_the_wake_up_that_came_before_it() {
     // nudge", and every event waiting for the scheduled poll, twenty seconds away here.
     let db = TestDb::new().await;
     let redis = TestRedis::new();
-    let config = support::relay_config_for(
+    // The next write of the node row (the clearing) waits half a second before it touches the
+    // row; the ones after it do not.
+    let node = idle_node_then(
         &db,
         &redis,
         "order-node",
-        &[
-            ("relay.idle_after_ms", "50"),
-            ("node.heartbeat_ms", "20000"),
-            ("node.lease_ms", "60000"),
-        ],
-    );
-    let node = support::start_node(config).await;
-    wait_for_idle_node(&db).await;
-    // The next write of the node row (the clearing) waits half a second before it touches the
-    // row; the ones after it do not.
-    db.store
-        .connection()
-        .execute_unprepared(
-            "CREATE SEQUENCE node_writes; CREATE SEQUENCE slow_write_done; \
-             CREATE FUNCTION slow_first_write() RETURNS trigger LANGUAGE plpgsql AS $$ \
-             BEGIN IF nextval('node_writes') = 1 THEN \
-               PERFORM pg_sleep(0.5); PERFORM nextval('slow_write_done'); END IF; \
-             RETURN NULL; END $$; \
-             CREATE TRIGGER slow_first_write BEFORE UPDATE ON outpost_node \
-             FOR EACH STATEMENT EXECUTE FUNCTION slow_first_write()",
-        )
-        .await
-        .unwrap();
-    let mut ids = commit(
-        &db,
-        vec![EventFact::new("kind0", "a", "t", json!({"n": 1}))],
+        "CREATE SEQUENCE node_writes; CREATE SEQUENCE slow_write_done; \
+         CREATE FUNCTION slow_first_write() RETURNS trigger LANGUAGE plpgsql AS $$ \
+         BEGIN IF nextval('node_writes') = 1 THEN \
+           PERFORM pg_sleep(0.5); PERFORM nextval('slow_write_done'); END IF; \
+         RETURN NULL; END $$; \
+         CREATE TRIGGER slow_first_write BEFORE UPDATE ON outpost_node \
+         FOR EACH STATEMENT EXECUTE FUNCTION slow_first_write()",
     )
     .await;
+    let mut ids = commit_nth(&db, 1).await;
     wait_delivered(&redis, 1, 10).await;
     wait_until(10, "the slow clearing to land", || async {
         scalar(
@@ -694,13 +685,7 @@ async fn the_request_for_nudges_lands_after_the_wake_up_that_came_before_it() {
     .await;
     // The node went idle meanwhile: its request for nudges must be what the row says now.
     wait_for_idle_node(&db).await;
-    ids.extend(
-        commit(
-            &db,
-            vec![EventFact::new("kind0", "a", "t", json!({"n": 2}))],
-        )
-        .await,
-    );
+    ids.extend(commit_nth(&db, 2).await);
     let d = wait_delivered(&redis, 2, 10).await;
     assert_once_in_order(&d, &ids);
     node.shutdown().await;
