@@ -600,6 +600,30 @@ async fn idle_node_then(
     node
 }
 
+/// How many times the sequence `name` was drawn from (0 before the first `nextval`).
+async fn times_drawn(db: &TestDb, name: &str) -> i64 {
+    scalar(
+        db,
+        &format!("SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {name}"),
+    )
+    .await
+}
+
+/// Waits until the node is idle again, then commits a second event and checks that it arrives
+/// by its nudge (the scheduled poll is twenty seconds away), after `ids`, each once in order.
+async fn second_event_is_nudged(
+    db: &TestDb,
+    redis: &TestRedis,
+    node: outpost::dispatch::node::NodeHandle,
+    mut ids: Vec<String>,
+) {
+    wait_for_idle_node(db).await;
+    ids.extend(commit_nth(db, 2).await);
+    let d = wait_delivered(redis, 2, 10).await;
+    assert_once_in_order(&d, &ids);
+    node.shutdown().await;
+}
+
 /// Commits one event of aggregate `a` with payload `{"n": n}`; returns its id.
 async fn commit_nth(db: &TestDb, n: u32) -> Vec<String> {
     commit(db, vec![EventFact::new("kind0", "a", "t", json!({"n": n}))]).await
@@ -625,14 +649,13 @@ async fn a_refused_request_for_nudges_is_made_again() {
          EXECUTE FUNCTION refuse_ask()",
     )
     .await;
-    let attempts = "SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM ask_attempts";
     // An event wakes the node (its nudge); the node then goes idle again, and its request fails.
-    let mut ids = commit_nth(&db, 1).await;
+    let ids = commit_nth(&db, 1).await;
     wait_delivered(&redis, 1, 10).await;
     wait_until(
         10,
         "the node to ask again after its request failed",
-        || async { scalar(&db, attempts).await >= 2 },
+        || async { times_drawn(&db, "ask_attempts").await >= 2 },
     )
     .await;
     db.store
@@ -640,13 +663,8 @@ async fn a_refused_request_for_nudges_is_made_again() {
         .execute_unprepared("DROP TRIGGER refuse_ask ON outpost_node")
         .await
         .unwrap();
-    // Its next request goes through; an event committed after it is nudged and delivered long
-    // before the scheduled poll, twenty seconds away.
-    wait_for_idle_node(&db).await;
-    ids.extend(commit_nth(&db, 2).await);
-    let d = wait_delivered(&redis, 2, 10).await;
-    assert_once_in_order(&d, &ids);
-    node.shutdown().await;
+    // Its next request goes through; an event committed after it is nudged.
+    second_event_is_nudged(&db, &redis, node, ids).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -672,23 +690,14 @@ async fn the_request_for_nudges_lands_after_the_wake_up_that_came_before_it() {
          FOR EACH STATEMENT EXECUTE FUNCTION slow_first_write()",
     )
     .await;
-    let mut ids = commit_nth(&db, 1).await;
+    let ids = commit_nth(&db, 1).await;
     wait_delivered(&redis, 1, 10).await;
     wait_until(10, "the slow clearing to land", || async {
-        scalar(
-            &db,
-            "SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM slow_write_done",
-        )
-        .await
-            == 1
+        times_drawn(&db, "slow_write_done").await == 1
     })
     .await;
     // The node went idle meanwhile: its request for nudges must be what the row says now.
-    wait_for_idle_node(&db).await;
-    ids.extend(commit_nth(&db, 2).await);
-    let d = wait_delivered(&redis, 2, 10).await;
-    assert_once_in_order(&d, &ids);
-    node.shutdown().await;
+    second_event_is_nudged(&db, &redis, node, ids).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

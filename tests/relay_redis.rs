@@ -116,6 +116,14 @@ impl Drop for OwnRedis {
     }
 }
 
+/// Waits until /readyz says not ready.
+async fn wait_not_ready(addr: std::net::SocketAddr) {
+    wait_until(30, "/readyz to say not ready", || async move {
+        readyz(addr).await == 503
+    })
+    .await;
+}
+
 /// GET /readyz on the node's admin endpoint: the HTTP status code.
 async fn readyz(addr: std::net::SocketAddr) -> u16 {
     readyz_body(addr).await.0
@@ -209,10 +217,7 @@ async fn survive(outage: Outage) {
                 .query_async(&mut conn)
                 .await
                 .unwrap();
-            wait_until(30, "/readyz to say not ready", || async move {
-                readyz(admin).await == 503
-            })
-            .await;
+            wait_not_ready(admin).await;
             tokio::time::sleep(Duration::from_secs(9)).await;
         }
         Outage::Sleep => {
@@ -225,19 +230,13 @@ async fn survive(outage: Outage) {
                     .await
                     .unwrap();
             });
-            wait_until(30, "/readyz to say not ready", || async move {
-                readyz(admin).await == 503
-            })
-            .await;
+            wait_not_ready(admin).await;
             // The server answers `DEBUG SLEEP` when it wakes up.
             asleep.await.unwrap();
         }
         Outage::Kill => {
             own.kill();
-            wait_until(30, "/readyz to say not ready", || async move {
-                readyz(admin).await == 503
-            })
-            .await;
+            wait_not_ready(admin).await;
             tokio::time::sleep(Duration::from_secs(10)).await;
             own.spawn();
             conn = own.conn().await;
