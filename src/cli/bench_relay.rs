@@ -10,7 +10,7 @@
 
 use std::num::NonZeroU32;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -23,7 +23,7 @@ use crate::config::{Config, Secret};
 use crate::dispatch::node::{self, NodeHandle};
 use crate::produce::load::{Committed, LoadReport, LoadSpec, WriteTarget, run_load};
 use crate::produce::{Limits, Producer};
-use crate::store::bench::BareOrder;
+use crate::store::bench::{BareOrder, BareTable};
 use crate::store::{self, Store};
 
 /// The scratch database.
@@ -74,6 +74,20 @@ pub enum BaselineOrder {
     Id,
 }
 
+/// What relays the events of the steady part.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum SteadyRelay {
+    /// An Outpost node; the producers write through the producer API.
+    Node,
+    /// The bare loops (`--baseline-loops`), claiming again at once while they find rows and
+    /// waiting `relay.busy_poll_ms` when they find none, over the outbox that the producers write
+    /// through the producer API: Outpost's producers, a relay without Outpost's guarantees.
+    Bare,
+    /// The same bare loops over the plain copy of the outbox, which the producers write without
+    /// Outpost's trigger: a hand-written outbox and relay, no sequence, no rules, no nudge.
+    BarePlain,
+}
+
 /// Options of `outpost bench relay`.
 #[derive(Debug, Args)]
 pub struct RelayBench {
@@ -86,8 +100,8 @@ pub struct RelayBench {
     /// Payload size in bytes.
     #[arg(long, default_value_t = 250)]
     payload_bytes: usize,
-    /// Delete published rows instead of marking them, in the drain and the baseline (the steady
-    /// and idle parts always mark: latency is read from the marked rows).
+    /// Delete published rows instead of marking them (the steady part then reports no
+    /// insert-to-mark latency, which is read from the marked rows).
     #[arg(long)]
     delete_published: bool,
     /// Concurrent bare loops; the partitions are dealt out among them.
@@ -115,6 +129,10 @@ pub struct RelayBench {
     /// producers can commit one by one.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1000))]
     steady_tx_size: u32,
+    /// What relays the steady part's events: an Outpost node, or the bare loops over the outbox
+    /// or over its plain copy (to tell the relay's share of the latency from the producers').
+    #[arg(long, value_enum, default_value_t = SteadyRelay::Node)]
+    steady_relay: SteadyRelay,
     /// Length of the idle window.
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
     idle_secs: u64,
@@ -281,7 +299,7 @@ impl Bench<'_> {
                         owned_after = Some(started.elapsed());
                     }
                 }
-                if !self.store.has_unpublished().await? {
+                if !self.store.has_unpublished(BareTable::Outbox).await? {
                     break;
                 }
                 if last_check.elapsed() >= DRAIN_PROGRESS {
@@ -456,26 +474,21 @@ impl Bench<'_> {
         );
         self.preload().await?;
         let stream = format!("{}baseline", self.prefix);
-        let mut tasks = Vec::new();
-        let mut conns = Vec::new();
-        for _ in 0..loops {
-            conns.push(redis_conn(&self.redis).await?);
-        }
         let before = self.snapshot().await;
         let started = Instant::now();
-        for (k, conn) in conns.into_iter().enumerate() {
-            let mine: Vec<i32> = (0..self.partitions as i32)
-                .filter(|p| *p as usize % loops as usize == k)
-                .collect();
-            tasks.push(tokio::spawn(bare_loop(
-                self.store.clone(),
-                conn,
-                stream.clone(),
-                mine,
+        let tasks = self
+            .spawn_bare_loops(&BareLoop {
+                store: self.store.clone(),
+                stream: stream.clone(),
+                table: BareTable::Outbox,
+                partitions: Vec::new(),
+                slice: (1, 0),
                 order,
-                args.delete_published,
-            )));
-        }
+                delete: args.delete_published,
+                until: BareUntil::Drained,
+                phases: Arc::default(),
+            })
+            .await?;
         let mut published = 0u64;
         for t in tasks {
             published += t.await.context("a bare loop panicked")??;
@@ -521,13 +534,32 @@ impl Bench<'_> {
             "== steady state: {} producers, {} event(s) per transaction, {} s per rate",
             args.steady_writers, args.steady_tx_size, args.steady_secs
         );
+        let loops = |over: &str| {
+            format!(
+                "{} bare loops over {over} (no ordering guarantee, no fencing, no quarantine; \
+                 claim again at once while rows are found, else wait {} ms)",
+                args.baseline_loops, self.config.relay.busy_poll_ms
+            )
+        };
+        println!(
+            "   relay: {}",
+            match args.steady_relay {
+                SteadyRelay::Node =>
+                    "an Outpost node; producers write through the producer API".to_owned(),
+                SteadyRelay::Bare =>
+                    loops("outpost_event, which producers write through the producer API"),
+                SteadyRelay::BarePlain => loops(
+                    "the outbox's plain copy, which producers write without Outpost's trigger"
+                ),
+            }
+        );
         println!(
             "   commit->stream: from the producer's commit returning to a reader blocked on the \
              stream (XREAD) seeing the entry"
         );
         println!(
             "   insert->mark: published_at - recorded_at of every row (the insert, inside the \
-             producer's transaction, to the node's mark after Redis acknowledged)"
+             producer's transaction, to the relay's mark after Redis acknowledged)"
         );
         println!(
             "{:>9} {:>9} {:>10} | {:>28} | {:>15} | {:>5} {:>5} {:>6}",
@@ -548,58 +580,125 @@ impl Bench<'_> {
             "pg%",
             "redis%"
         );
+        let table = match args.steady_relay {
+            SteadyRelay::BarePlain => BareTable::Plain,
+            SteadyRelay::Node | SteadyRelay::Bare => BareTable::Outbox,
+        };
         for &rate in &args.rates {
             let Some(nz) = NonZeroU32::new(rate) else {
                 continue;
             };
             self.store.truncate_outbox().await?;
-            let node = self.start_node(false).await?;
+            if table == BareTable::Plain {
+                self.store.create_plain_table().await?;
+            }
+            let spec = LoadSpec {
+                count: u64::from(rate).saturating_mul(args.steady_secs),
+                rate: Some(nz),
+                aggregates: args.aggregates,
+                aggregate_type: BENCH_AGGREGATE_TYPE.to_owned(),
+                event_type: BENCH_EVENT_TYPE.to_owned(),
+                payload_bytes: args.payload_bytes,
+                tx_size: args.steady_tx_size,
+                writers: args.steady_writers,
+                target: match table {
+                    BareTable::Outbox => WriteTarget::Outbox,
+                    BareTable::Plain => WriteTarget::PlainTable,
+                },
+            };
+            let stream = self.stream_key(&spec)?;
+            let relay = match args.steady_relay {
+                SteadyRelay::Node => {
+                    SteadyRunner::Node(self.start_node(args.delete_published).await?)
+                }
+                SteadyRelay::Bare | SteadyRelay::BarePlain => {
+                    let stop = Arc::new(AtomicBool::new(false));
+                    let phases = Arc::new(BarePhases::default());
+                    let tasks = self
+                        .spawn_bare_loops(&BareLoop {
+                            store: self.store.clone(),
+                            stream: stream.clone(),
+                            table,
+                            partitions: Vec::new(),
+                            slice: (1, 0),
+                            order: BareOrder::PartitionId,
+                            delete: args.delete_published,
+                            until: BareUntil::Stopped {
+                                stop: stop.clone(),
+                                poll: self.config.relay.busy_poll(),
+                            },
+                            phases: phases.clone(),
+                        })
+                        .await?;
+                    SteadyRunner::Bare {
+                        stop,
+                        tasks,
+                        phases,
+                    }
+                }
+            };
             let measured = async {
-                self.wait_owned(&node).await?;
-                // Let the node reach its idle state (asking for nudges) before the load starts.
-                tokio::time::sleep(self.config.relay.idle_after() + Duration::from_millis(500))
-                    .await;
+                if let SteadyRunner::Node(node) = &relay {
+                    self.wait_owned(node).await?;
+                    // Let the node reach its idle state (asking for nudges) before the load
+                    // starts.
+                    tokio::time::sleep(self.config.relay.idle_after() + Duration::from_millis(500))
+                        .await;
+                }
                 let before = self.snapshot().await;
-                let spec = LoadSpec {
-                    count: u64::from(rate).saturating_mul(args.steady_secs),
-                    rate: Some(nz),
-                    aggregates: args.aggregates,
-                    aggregate_type: BENCH_AGGREGATE_TYPE.to_owned(),
-                    event_type: BENCH_EVENT_TYPE.to_owned(),
-                    payload_bytes: args.payload_bytes,
-                    tx_size: args.steady_tx_size,
-                    writers: args.steady_writers,
-                    target: WriteTarget::Outbox,
-                };
+                let phases_before = Phases::read();
                 let arrivals = Arrivals::new(spec.count);
                 let stop = Arc::new(AtomicBool::new(false));
                 let watcher = tokio::spawn(bench_latency::watch(
                     self.redis.clone(),
-                    self.stream_key(&spec)?,
+                    stream.clone(),
                     arrivals.clone(),
                     stop.clone(),
                 ));
                 let report =
                     run_load(&self.store, &self.producer(), &spec, arrivals.on_commit()).await?;
                 let tail = Instant::now();
-                while self.store.has_unpublished().await? && tail.elapsed() < STEADY_TAIL {
+                while self.store.has_unpublished(table).await? && tail.elapsed() < STEADY_TAIL {
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
                 let after = self.snapshot().await;
+                let phases = match (&relay, phases_before, Phases::read()) {
+                    (SteadyRunner::Node(_), Some(b), Some(a)) => Some(("node", a.minus(&b))),
+                    (SteadyRunner::Bare { phases, .. }, ..) => {
+                        Some(("bare loops", phases.phases()))
+                    }
+                    _ => None,
+                };
                 stop.store(true, Ordering::Relaxed);
                 watcher.await.context("the stream reader failed")??;
                 Ok::<_, anyhow::Error>((
                     report,
                     before.diff(&after, self.clk_tck),
                     arrivals.percentiles(),
+                    phases,
                 ))
             }
             .await;
-            node.shutdown().await;
-            let (report, usage, seen) = measured?;
-            let lat = self.store.publish_latency().await?;
-            let left = self.store.unpublished_count().await?;
-            print_steady_row(rate, &report, &seen, &lat, &usage);
+            relay.stop().await?;
+            let (report, usage, seen, phases) = measured?;
+            // Deleted rows leave no times to read.
+            let lat = if args.delete_published {
+                None
+            } else {
+                Some(
+                    self.store
+                        .publish_latency(match args.steady_relay {
+                            SteadyRelay::Node => None,
+                            SteadyRelay::Bare | SteadyRelay::BarePlain => Some(table),
+                        })
+                        .await?,
+                )
+            };
+            let left = self.store.unpublished_count(table).await?;
+            print_steady_row(rate, &report, &seen, lat.as_ref(), &usage);
+            if let Some((who, p)) = phases {
+                p.print(who);
+            }
             if left > 0 {
                 println!(
                     "WARNING: {left} events were still unpublished {} s after the load ended; \
@@ -680,6 +779,45 @@ impl Bench<'_> {
 
     // ---------------------------------------------------------------------------------------
     // Helpers
+
+    /// Starts `--baseline-loops` bare loops like `template`, each on a Redis connection of its
+    /// own: over the outbox, the partitions are dealt out among them; over the plain copy, whose
+    /// rows are all in partition 0, its rows by id.
+    async fn spawn_bare_loops(
+        &self,
+        template: &BareLoop,
+    ) -> anyhow::Result<Vec<tokio::task::JoinHandle<anyhow::Result<u64>>>> {
+        let mut tasks = Vec::new();
+        match template.table {
+            BareTable::Outbox => {
+                let loops = self.args.baseline_loops.min(self.partitions).max(1);
+                for k in 0..loops {
+                    let partitions = (0..self.partitions)
+                        .filter(|p| p % loops == k)
+                        .filter_map(|p| i32::try_from(p).ok())
+                        .collect();
+                    let each = BareLoop {
+                        partitions,
+                        slice: (1, 0),
+                        ..template.clone()
+                    };
+                    tasks.push(tokio::spawn(each.run(redis_conn(&self.redis).await?)));
+                }
+            }
+            BareTable::Plain => {
+                let loops = self.args.baseline_loops.max(1);
+                for k in 0..loops {
+                    let each = BareLoop {
+                        partitions: vec![0],
+                        slice: (loops, k),
+                        ..template.clone()
+                    };
+                    tasks.push(tokio::spawn(each.run(redis_conn(&self.redis).await?)));
+                }
+            }
+        }
+        Ok(tasks)
+    }
 
     fn producer(&self) -> Producer {
         Producer::new(Limits {
@@ -764,40 +902,228 @@ impl Bench<'_> {
     }
 }
 
-/// The bare relay loop: read a batch, XADD it in one pipeline, mark it; until no row is left.
-async fn bare_loop(
+/// The node's batches as its metrics count them (this process's recorder): claims, events
+/// published, and the seconds spent claiming, publishing and marking.
+#[derive(Debug, Clone, Copy, Default)]
+struct Phases {
+    claims: f64,
+    published: f64,
+    claim_secs: f64,
+    publish: (f64, f64),
+    mark: (f64, f64),
+}
+
+impl Phases {
+    fn read() -> Option<Phases> {
+        let text = crate::metrics::install()?.render();
+        // Sums over every label set of `name` (histograms: `name_sum` and `name_count`).
+        let total = |name: &str| -> f64 {
+            text.lines()
+                .filter(|l| {
+                    l.strip_prefix(name)
+                        .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{'))
+                })
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum()
+        };
+        let hist = |name: &str| {
+            (
+                total(&format!("{name}_count")),
+                total(&format!("{name}_sum")),
+            )
+        };
+        let claim = hist(crate::metrics::CLAIM_SECONDS);
+        Some(Phases {
+            claims: claim.0,
+            claim_secs: claim.1,
+            published: total(crate::metrics::PUBLISHED),
+            publish: hist(crate::metrics::PUBLISH_SECONDS),
+            mark: hist(crate::metrics::MARK_SECONDS),
+        })
+    }
+
+    fn minus(&self, before: &Phases) -> Phases {
+        Phases {
+            claims: self.claims - before.claims,
+            published: self.published - before.published,
+            claim_secs: self.claim_secs - before.claim_secs,
+            publish: (
+                self.publish.0 - before.publish.0,
+                self.publish.1 - before.publish.1,
+            ),
+            mark: (self.mark.0 - before.mark.0, self.mark.1 - before.mark.1),
+        }
+    }
+
+    fn print(&self, who: &str) {
+        let mean_ms = |(n, secs): (f64, f64)| if n > 0.0 { secs / n * 1000.0 } else { 0.0 };
+        println!(
+            "          {who}: {:.0} claims ({:.1} events per claim), {:.0} publishes, {:.0} \
+             marks; mean ms: claim {:.2}, publish {:.2}, mark {:.2}",
+            self.claims,
+            self.published / self.claims.max(1.0),
+            self.publish.0,
+            self.mark.0,
+            mean_ms((self.claims, self.claim_secs)),
+            mean_ms(self.publish),
+            mean_ms(self.mark)
+        );
+    }
+}
+
+/// What relays a steady run's events.
+enum SteadyRunner {
+    Node(NodeHandle),
+    Bare {
+        stop: Arc<AtomicBool>,
+        tasks: Vec<tokio::task::JoinHandle<anyhow::Result<u64>>>,
+        phases: Arc<BarePhases>,
+    },
+}
+
+impl SteadyRunner {
+    /// Stops the node, or the bare loops once they find nothing more; a bare loop's failure is
+    /// the run's.
+    async fn stop(self) -> anyhow::Result<()> {
+        match self {
+            SteadyRunner::Node(node) => node.shutdown().await,
+            SteadyRunner::Bare { stop, tasks, .. } => {
+                stop.store(true, Ordering::Relaxed);
+                for t in tasks {
+                    t.await.context("a bare loop panicked")??;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// When a bare loop ends.
+#[derive(Debug, Clone)]
+enum BareUntil {
+    /// At the first claim that finds nothing (a drain).
+    Drained,
+    /// At the first claim that finds nothing once `stop` is set; until then a claim that finds
+    /// nothing is followed by a pause of `poll`.
+    Stopped {
+        stop: Arc<AtomicBool>,
+        poll: Duration,
+    },
+}
+
+/// One bare relay loop: read a batch, XADD it in one pipeline, mark it.
+#[derive(Debug, Clone)]
+struct BareLoop {
     store: Store,
-    mut conn: MultiplexedConnection,
     stream: String,
+    table: BareTable,
+    /// The loop's partitions (dealt out by [`Bench::spawn_bare_loops`]).
     partitions: Vec<i32>,
+    /// `(loops, this loop)`: the share of the partitions' rows by id (see `bare_claim`).
+    slice: (u32, u32),
     order: BareOrder,
     delete: bool,
-) -> anyhow::Result<u64> {
-    let mut published = 0u64;
-    loop {
-        let rows = store.bare_claim(&partitions, BARE_BATCH, order).await?;
-        if rows.is_empty() {
-            return Ok(published);
+    until: BareUntil,
+    /// What every loop of this start did, added up.
+    phases: Arc<BarePhases>,
+}
+
+/// The bare loops' claims, batches (claims that found rows), events, and microseconds spent
+/// claiming, publishing and marking: the same figures as the node's [`Phases`].
+#[derive(Debug, Default)]
+struct BarePhases {
+    claims: AtomicU64,
+    batches: AtomicU64,
+    events: AtomicU64,
+    claim_us: AtomicU64,
+    publish_us: AtomicU64,
+    mark_us: AtomicU64,
+}
+
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
+impl BarePhases {
+    fn add_claim(&self, took: Duration) {
+        self.claims.fetch_add(1, Ordering::Relaxed);
+        self.claim_us.fetch_add(micros(took), Ordering::Relaxed);
+    }
+
+    fn add_batch(&self, events: usize, publish: Duration, mark: Duration) {
+        self.batches.fetch_add(1, Ordering::Relaxed);
+        self.events.fetch_add(events as u64, Ordering::Relaxed);
+        self.publish_us
+            .fetch_add(micros(publish), Ordering::Relaxed);
+        self.mark_us.fetch_add(micros(mark), Ordering::Relaxed);
+    }
+
+    fn phases(&self) -> Phases {
+        let count = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64;
+        let secs = |a: &AtomicU64| count(a) / 1e6;
+        let batches = count(&self.batches);
+        Phases {
+            claims: count(&self.claims),
+            published: count(&self.events),
+            claim_secs: secs(&self.claim_us),
+            publish: (batches, secs(&self.publish_us)),
+            mark: (batches, secs(&self.mark_us)),
         }
-        let mut pipe = redis::pipe();
-        for r in &rows {
-            pipe.cmd("XADD")
-                .arg(&stream)
-                .arg("*")
-                .arg("id")
-                .arg(r.event_id.to_string())
-                .arg("type")
-                .arg(&r.event_type)
-                .arg("data")
-                .arg(&r.payload);
+    }
+}
+
+impl BareLoop {
+    /// Runs until `until`; returns the events published.
+    async fn run(self, mut conn: MultiplexedConnection) -> anyhow::Result<u64> {
+        let mut published = 0u64;
+        loop {
+            let started = Instant::now();
+            let rows = self
+                .store
+                .bare_claim(
+                    self.table,
+                    &self.partitions,
+                    self.slice,
+                    BARE_BATCH,
+                    self.order,
+                )
+                .await?;
+            let claimed = Instant::now();
+            self.phases.add_claim(claimed - started);
+            if rows.is_empty() {
+                match &self.until {
+                    BareUntil::Stopped { stop, poll } if !stop.load(Ordering::Relaxed) => {
+                        tokio::time::sleep(*poll).await;
+                        continue;
+                    }
+                    _ => return Ok(published),
+                }
+            }
+            let mut pipe = redis::pipe();
+            for r in &rows {
+                pipe.cmd("XADD")
+                    .arg(&self.stream)
+                    .arg("*")
+                    .arg("id")
+                    .arg(r.event_id.to_string())
+                    .arg("type")
+                    .arg(&r.event_type)
+                    .arg("data")
+                    .arg(&r.payload);
+            }
+            let ids: Vec<String> = pipe.query_async(&mut conn).await.context("XADD pipeline")?;
+            if ids.len() != rows.len() {
+                bail!("{} XADDs sent, {} acknowledged", rows.len(), ids.len());
+            }
+            let sent = Instant::now();
+            let row_ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
+            self.store
+                .bare_mark(self.table, &row_ids, self.delete)
+                .await?;
+            self.phases
+                .add_batch(rows.len(), sent - claimed, sent.elapsed());
+            published += rows.len() as u64;
         }
-        let ids: Vec<String> = pipe.query_async(&mut conn).await.context("XADD pipeline")?;
-        if ids.len() != rows.len() {
-            bail!("{} XADDs sent, {} acknowledged", rows.len(), ids.len());
-        }
-        let row_ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
-        store.bare_mark(&row_ids, delete).await?;
-        published += rows.len() as u64;
     }
 }
 
@@ -809,7 +1135,7 @@ fn print_steady_row(
     rate: u32,
     report: &LoadReport,
     seen: &Percentiles,
-    lat: &store::bench::PublishLatency,
+    lat: Option<&store::bench::PublishLatency>,
     usage: &Usage,
 ) {
     let ms = |v: Option<f64>| v.map_or("-".to_owned(), |s| format!("{:.1}", s * 1000.0));
@@ -827,16 +1153,19 @@ fn print_steady_row(
         ms(seen.p90),
         ms(seen.p99),
         ms(seen.max),
-        ms(lat.p50),
-        ms(lat.p99),
+        ms(lat.and_then(|l| l.p50)),
+        ms(lat.and_then(|l| l.p99)),
         pct(usage.proc_cpu),
         pct(usage.pg_cpu),
         pct(usage.redis_cpu)
     );
-    if seen.events as u64 != report.events || lat.rows != report.events as i64 {
+    let marked = lat.map(|l| l.rows);
+    if seen.events as u64 != report.events || marked.is_some_and(|m| m != report.events as i64) {
         println!(
             "          ({} of {} events seen in the stream, {} rows marked published)",
-            seen.events, report.events, lat.rows
+            seen.events,
+            report.events,
+            marked.unwrap_or(0)
         );
     }
 }

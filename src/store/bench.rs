@@ -92,6 +92,27 @@ pub struct BareRow {
     pub payload: String,
 }
 
+/// The table a bare loop reads: the outbox (rows written by Outpost's producers, with the
+/// sequence, partition and rules of the insert trigger), or its plain copy (rows written without
+/// any of them, as by an application's hand-written outbox).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BareTable {
+    /// `outpost_event`.
+    Outbox,
+    /// `bench_plain_event`.
+    Plain,
+}
+
+impl BareTable {
+    /// The table's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            BareTable::Outbox => "outpost_event",
+            BareTable::Plain => PLAIN_TABLE,
+        }
+    }
+}
+
 /// The order in which the bare loop reads the pending rows of its partitions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BareOrder {
@@ -198,16 +219,19 @@ impl Store {
         Ok(())
     }
 
-    /// True while some row is waiting to be published (`pending` or `retry_wait`). Cheap at any
-    /// backlog size, so it can be polled during a drain without loading the database the way
-    /// `count(*)` over the backlog would: the order matches the ready index, so the planner
-    /// reads its first live entry instead of scanning a heap full of published rows.
-    pub async fn has_unpublished(&self) -> Result<bool, StoreError> {
+    /// True while some row of `table` is waiting to be published (`pending` or `retry_wait`).
+    /// Cheap at any backlog size, so it can be polled during a drain without loading the
+    /// database the way `count(*)` over the backlog would: the order matches the ready index, so
+    /// the planner reads its first live entry instead of scanning a heap full of published rows.
+    pub async fn has_unpublished(&self, table: BareTable) -> Result<bool, StoreError> {
         let row = self
             .connection()
             .query_one_raw(super::stmt(
-                "SELECT 1 FROM outpost_event WHERE status IN ('pending', 'retry_wait') \
-                 ORDER BY partition, id LIMIT 1",
+                &format!(
+                    "SELECT 1 FROM {} WHERE status IN ('pending', 'retry_wait') \
+                     ORDER BY partition, id LIMIT 1",
+                    table.name()
+                ),
                 [],
             ))
             .await
@@ -215,12 +239,15 @@ impl Store {
         Ok(row.is_some())
     }
 
-    /// Rows waiting to be published (`pending` or `retry_wait`).
-    pub async fn unpublished_count(&self) -> Result<i64, StoreError> {
+    /// Rows of `table` waiting to be published (`pending` or `retry_wait`).
+    pub async fn unpublished_count(&self, table: BareTable) -> Result<i64, StoreError> {
         let row = self
             .connection()
             .query_one_raw(super::stmt(
-                "SELECT count(*) FROM outpost_event WHERE status IN ('pending', 'retry_wait')",
+                &format!(
+                    "SELECT count(*) FROM {} WHERE status IN ('pending', 'retry_wait')",
+                    table.name()
+                ),
                 [],
             ))
             .await
@@ -229,34 +256,40 @@ impl Store {
         row.try_get_by_index(0).map_err(StoreError::from_db)
     }
 
-    /// Up to `limit` pending rows of `partitions`, for the benchmark's bare relay loop (no
-    /// ordering guarantee, no lease, no retry state).
+    /// Up to `limit` pending rows of `partitions` in `table` whose id is `slice.1` modulo
+    /// `slice.0`, for the benchmark's bare relay loop (no ordering guarantee, no lease, no retry
+    /// state). The slice deals one partition's rows out among several loops (the plain copy
+    /// puts every row in partition 0); `(1, 0)` takes them all.
     pub async fn bare_claim(
         &self,
+        table: BareTable,
         partitions: &[i32],
+        slice: (u32, u32),
         limit: u32,
         order: BareOrder,
     ) -> Result<Vec<BareRow>, StoreError> {
-        let sql = match order {
-            BareOrder::PartitionId => {
-                "SELECT id, event_id, aggregate_type, aggregate_id, aggregate_seq, event_type, \
-                        payload::text \
-                 FROM outpost_event \
-                 WHERE partition = ANY($1::int4[]) AND status = 'pending' \
-                 ORDER BY partition, id LIMIT $2"
-            }
-            BareOrder::Id => {
-                "SELECT id, event_id, aggregate_type, aggregate_id, aggregate_seq, event_type, \
-                        payload::text \
-                 FROM outpost_event \
-                 WHERE partition = ANY($1::int4[]) AND status = 'pending' \
-                 ORDER BY id LIMIT $2"
-            }
+        let order_by = match order {
+            BareOrder::PartitionId => "partition, id",
+            BareOrder::Id => "id",
         };
+        // Without a slice the statement is the plain claim: a filter on `id % n`, of unknown
+        // selectivity to the planner, could move it off the ready index's range scan.
+        let slice_filter = match slice {
+            (0 | 1, _) => String::new(),
+            (n, k) => format!(" AND id % {n} = {k}"),
+        };
+        let sql = format!(
+            "SELECT id, event_id, aggregate_type, aggregate_id, aggregate_seq, event_type, \
+                    payload::text \
+             FROM {} \
+             WHERE partition = ANY($1::int4[]) AND status = 'pending'{slice_filter} \
+             ORDER BY {order_by} LIMIT $2",
+            table.name()
+        );
         let rows = self
             .connection()
             .query_all_raw(super::stmt(
-                sql,
+                &sql,
                 [num_array(partitions).into(), i64::from(limit).into()],
             ))
             .await
@@ -278,15 +311,23 @@ impl Store {
     }
 
     /// Marks rows of the bare loop published (or deletes them), in one statement.
-    pub async fn bare_mark(&self, ids: &[i64], delete: bool) -> Result<(), StoreError> {
+    pub async fn bare_mark(
+        &self,
+        table: BareTable,
+        ids: &[i64],
+        delete: bool,
+    ) -> Result<(), StoreError> {
         let sql = if delete {
-            "DELETE FROM outpost_event WHERE id = ANY($1::int8[])"
+            format!("DELETE FROM {} WHERE id = ANY($1::int8[])", table.name())
         } else {
-            "UPDATE outpost_event SET status = 'published', published_at = now() \
-             WHERE id = ANY($1::int8[])"
+            format!(
+                "UPDATE {} SET status = 'published', published_at = now() \
+                 WHERE id = ANY($1::int8[])",
+                table.name()
+            )
         };
         self.connection()
-            .execute_raw(super::stmt(sql, [num_array(ids).into()]))
+            .execute_raw(super::stmt(&sql, [num_array(ids).into()]))
             .await
             .map_err(StoreError::from_db)?;
         Ok(())
@@ -295,17 +336,28 @@ impl Store {
     /// Percentiles of `published_at - recorded_at` over the published events: from the insert
     /// (database clock, inside the producer's transaction) to the start of the relay's mark
     /// transaction, which begins after Redis acknowledged the entry.
-    pub async fn publish_latency(&self) -> Result<PublishLatency, StoreError> {
+    /// `marked_in`: a bare loop's table, whose rows it marks `published` where they are (a
+    /// node moves them to `outpost_published`).
+    pub async fn publish_latency(
+        &self,
+        marked_in: Option<BareTable>,
+    ) -> Result<PublishLatency, StoreError> {
+        let published = match marked_in {
+            None => "outpost_published".to_owned(),
+            Some(t) => format!("{} WHERE status = 'published'", t.name()),
+        };
         let row = self
             .connection()
             .query_one_raw(super::stmt(
-                "SELECT count(*), \
-                        percentile_cont(0.5) WITHIN GROUP (ORDER BY l), \
-                        percentile_cont(0.9) WITHIN GROUP (ORDER BY l), \
-                        percentile_cont(0.99) WITHIN GROUP (ORDER BY l), \
-                        max(l) \
-                 FROM (SELECT extract(epoch FROM published_at - recorded_at)::float8 AS l \
-                       FROM outpost_published) t",
+                &format!(
+                    "SELECT count(*), \
+                            percentile_cont(0.5) WITHIN GROUP (ORDER BY l), \
+                            percentile_cont(0.9) WITHIN GROUP (ORDER BY l), \
+                            percentile_cont(0.99) WITHIN GROUP (ORDER BY l), \
+                            max(l) \
+                     FROM (SELECT extract(epoch FROM published_at - recorded_at)::float8 AS l \
+                           FROM {published}) t"
+                ),
                 [],
             ))
             .await
