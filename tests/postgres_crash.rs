@@ -111,14 +111,7 @@ async fn a_crashed_database_server_loses_nothing_and_the_node_resumes() {
     let mut pg = OwnPostgres::start().await;
     let store = pg.migrated_database("outpost", 8).await;
     let redis = TestRedis::new();
-    let config = support::relay_config_at(
-        &pg.url("outpost"),
-        &support::redis_url(),
-        &redis.prefix,
-        "pg-crash",
-        &[],
-    );
-    let node = support::start_node(config).await;
+    let node = pg.start_node("outpost", &redis, "pg-crash").await;
     let admin = node.admin_addr().to_string();
     let readyz = |want_ready: bool| {
         let admin = admin.clone();

@@ -346,6 +346,73 @@ async fn plain_sql_insert_gets_the_same_sequence_partition_and_nudge() {
     );
 }
 
+/// `outpost.nudge = off` (what producers whose transactions are prepared for two-phase commit
+/// set: a transaction that sent a NOTIFY cannot be prepared) keeps a transaction from nudging,
+/// through the trigger and through the producer API's statement for many events alike.
+#[tokio::test]
+async fn a_transaction_with_the_nudge_turned_off_sends_none() {
+    let db = TestDb::new().await;
+    let mut listener = nudged_node(&db).await;
+    let partition = |id: String| {
+        let db = &db;
+        async move {
+            scalar(
+                db,
+                &format!("SELECT outpost_partition_of('o', '{id}', 64)::int8"),
+            )
+            .await
+        }
+    };
+    let quiet = ["o-1", "o-2", "o-3"];
+    let mut quiet_partitions = HashSet::new();
+    for id in quiet {
+        quiet_partitions.insert(partition(id.to_owned()).await);
+    }
+    // An aggregate whose partition none of the quiet ones has, so its nudge tells them apart.
+    let mut loud = String::new();
+    for n in 0.. {
+        loud = format!("z-{n}");
+        if !quiet_partitions.contains(&partition(loud.clone()).await) {
+            break;
+        }
+    }
+    let fact = |id: &str| EventFact::new("o", id, "t", json!({}));
+
+    for (value, facts) in [
+        ("off", vec![fact(quiet[0])]),
+        ("'FALSE'", vec![fact(quiet[1]), fact(quiet[2])]),
+    ] {
+        let txn = db.store.connection().begin().await.unwrap();
+        txn.execute_unprepared(&format!("SET LOCAL outpost.nudge = {value}"))
+            .await
+            .unwrap();
+        Producer::default()
+            .enqueue_facts(&txn, facts)
+            .await
+            .unwrap();
+        txn.commit().await.unwrap();
+    }
+    let txn = db.store.connection().begin().await.unwrap();
+    txn.execute_unprepared("SET LOCAL outpost.nudge = on")
+        .await
+        .unwrap();
+    let last = Producer::default()
+        .enqueue_facts(&txn, vec![fact(&loud)])
+        .await
+        .unwrap();
+    txn.commit().await.unwrap();
+    assert_eq!(
+        listener.recv().await.unwrap(),
+        Nudge::Partitions(vec![last[0].partition]),
+        "the transactions with the nudge off sent none"
+    );
+    assert_eq!(
+        scalar(&db, "SELECT count(*) FROM outpost_event").await,
+        4,
+        "and their events were written"
+    );
+}
+
 #[tokio::test]
 async fn producers_cannot_forge_delivery_state() {
     let db = TestDb::new().await;

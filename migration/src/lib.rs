@@ -35,6 +35,7 @@ mod m20261201_000005_backlog;
 mod m20261202_000006_insert_checks;
 mod m20261202_000007_lean_insert;
 mod m20261203_000008_published_history;
+mod m20261205_000009_nudge_opt_out;
 
 /// The ordered list of Outpost's migrations, recorded in `outpost_migrations`.
 #[derive(Debug)]
@@ -52,6 +53,7 @@ impl MigratorTrait for Migrator {
             Box::new(m20261202_000006_insert_checks::Migration),
             Box::new(m20261202_000007_lean_insert::Migration),
             Box::new(m20261203_000008_published_history::Migration),
+            Box::new(m20261205_000009_nudge_opt_out::Migration),
         ]
     }
 

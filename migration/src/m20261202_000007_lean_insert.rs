@@ -57,6 +57,7 @@ macro_rules! returning_into {
               v_nudge;"#
     };
 }
+pub(crate) use returning_into;
 
 /// The rules' arguments, as the trigger passes them.
 macro_rules! rule_args {
@@ -65,6 +66,58 @@ macro_rules! rule_args {
              NEW.headers, NEW.destination"
     };
 }
+pub(crate) use rule_args;
+
+/// The insert trigger's function, `CREATE OR REPLACE`d; `$nudge` is the condition under which it
+/// sends the nudge (`v_nudge`: a node asked for nudges).
+macro_rules! before_insert_function {
+    ($nudge:literal) => {
+        concat!(
+            r#"CREATE OR REPLACE FUNCTION outpost_event_before_insert() RETURNS trigger
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_nudge boolean;
+BEGIN
+    IF outpost_event_row_ok("#,
+            $crate::m20261202_000007_lean_insert::rule_args!(),
+            r#") IS NOT TRUE THEN
+        PERFORM outpost_event_check_rules("#,
+            $crate::m20261202_000007_lean_insert::rule_args!(),
+            r#");
+    END IF;
+
+    -- The sequence, under the aggregate's row lock kept until commit: writers of one aggregate
+    -- are serialised, writers of different aggregates never wait on each other.
+    UPDATE outpost_aggregate
+       SET last_seq = last_seq + 1
+     WHERE aggregate_type = NEW.aggregate_type AND aggregate_id = NEW.aggregate_id"#,
+            $crate::m20261202_000007_lean_insert::returning_into!(),
+            r#"
+    IF NOT FOUND THEN
+        INSERT INTO outpost_aggregate AS a (aggregate_type, aggregate_id, last_seq, partition)
+        VALUES (NEW.aggregate_type, NEW.aggregate_id, 1,
+                outpost_partition_of(NEW.aggregate_type, NEW.aggregate_id,
+                                     (SELECT partition_count FROM outpost_meta)))
+        ON CONFLICT (aggregate_type, aggregate_id)
+            DO UPDATE SET last_seq = a.last_seq + 1"#,
+            $crate::m20261202_000007_lean_insert::returning_into!(),
+            r#"
+    END IF;
+    -- The nudge, only while some node asked for it; sent at commit, once per partition.
+    IF "#,
+            $nudge,
+            r#" THEN
+        PERFORM pg_notify('outpost_wakeup', NEW.partition::text);
+    END IF;
+    RETURN NEW;
+END
+$$;
+
+"#
+        )
+    };
+}
+pub(crate) use before_insert_function;
 
 const UP: &str = concat!(
     r#"
@@ -116,45 +169,9 @@ BEGIN
 END
 $$;
 
-CREATE OR REPLACE FUNCTION outpost_event_before_insert() RETURNS trigger
-LANGUAGE plpgsql AS $$
-DECLARE
-    v_nudge boolean;
-BEGIN
-    IF outpost_event_row_ok("#,
-    rule_args!(),
-    r#") IS NOT TRUE THEN
-        PERFORM outpost_event_check_rules("#,
-    rule_args!(),
-    r#");
-    END IF;
-
-    -- The sequence, under the aggregate's row lock kept until commit: writers of one aggregate
-    -- are serialised, writers of different aggregates never wait on each other.
-    UPDATE outpost_aggregate
-       SET last_seq = last_seq + 1
-     WHERE aggregate_type = NEW.aggregate_type AND aggregate_id = NEW.aggregate_id"#,
-    returning_into!(),
-    r#"
-    IF NOT FOUND THEN
-        INSERT INTO outpost_aggregate AS a (aggregate_type, aggregate_id, last_seq, partition)
-        VALUES (NEW.aggregate_type, NEW.aggregate_id, 1,
-                outpost_partition_of(NEW.aggregate_type, NEW.aggregate_id,
-                                     (SELECT partition_count FROM outpost_meta)))
-        ON CONFLICT (aggregate_type, aggregate_id)
-            DO UPDATE SET last_seq = a.last_seq + 1"#,
-    returning_into!(),
-    r#"
-    END IF;
-    -- The nudge, only while some node asked for it; sent at commit, once per partition.
-    IF v_nudge THEN
-        PERFORM pg_notify('outpost_wakeup', NEW.partition::text);
-    END IF;
-    RETURN NEW;
-END
-$$;
-
--- A row that comes with its own transaction's id is left as it is: the producer API's statement
+"#,
+    before_insert_function!("v_nudge"),
+    r#"-- A row that comes with its own transaction's id is left as it is: the producer API's statement
 -- for many events writes it, having taken the aggregates' locks, drawn the sequences and ids,
 -- checked the rules and nudged itself. (PostgreSQL reads this condition back from its stored
 -- form for every statement, so it is kept to one comparison.)

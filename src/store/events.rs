@@ -97,8 +97,10 @@ pub(super) fn insert_sql(table: &str, rows: usize) -> String {
 /// never deadlock on each other) and each advanced by its count of events; every event gets the
 /// next sequence numbers of its aggregate in the order given and an id drawn after its
 /// aggregate's lock; the rules are checked (the same functions the trigger calls, raising the
-/// same errors); a node that asked for nudges gets one per partition. The trigger leaves such
-/// rows alone: they come with their own transaction's id (and their id, sequence and partition).
+/// same errors); a node that asked for nudges gets one per partition, unless the transaction set
+/// `outpost.nudge` off (read as the trigger reads it: `m20261205_000009_nudge_opt_out`). The
+/// trigger leaves such rows alone: they come with their own transaction's id (and their id,
+/// sequence and partition).
 /// The bind values are those of [`insert_sql`].
 fn insert_many_sql(rows: usize) -> String {
     let mut sql = String::with_capacity(2000 + rows * 140);
@@ -159,6 +161,8 @@ a AS ( \
         DO UPDATE SET last_seq = a.last_seq + EXCLUDED.last_seq \
     RETURNING aggregate_type, aggregate_id, last_seq, partition, blocked_seq, \
               CASE WHEN EXISTS (SELECT FROM outpost_node WHERE wants_nudge) \
+                        AND coalesce(lower(current_setting('outpost.nudge', true)), '') \
+                            NOT IN ('off', 'false', 'no', '0') \
                    THEN pg_notify('outpost_wakeup', partition::text)::text END AS nudged \
 ) \
 INSERT INTO outpost_event (id, event_id, aggregate_type, aggregate_id, aggregate_seq, \

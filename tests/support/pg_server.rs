@@ -40,12 +40,20 @@ pub struct OwnPostgres {
     dir: PathBuf,
     bin: PathBuf,
     as_postgres: bool,
+    /// `name=value` server settings beyond the defaults below.
+    settings: Vec<String>,
     child: Option<Child>,
 }
 
 impl OwnPostgres {
     /// Creates a cluster and starts its server; returns once it accepts connections.
     pub async fn start() -> Self {
+        Self::start_with(&[]).await
+    }
+
+    /// [`OwnPostgres::start`] with `name=value` server settings of the test's own (e.g.
+    /// `max_prepared_transactions=4`).
+    pub async fn start_with(settings: &[&str]) -> Self {
         let port = super::free_port();
         let dir = std::env::temp_dir().join(format!("outpost-pg-{port}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -67,6 +75,7 @@ impl OwnPostgres {
             dir,
             bin: bin_dir(),
             as_postgres,
+            settings: settings.iter().map(ToString::to_string).collect(),
             child: None,
         };
         let data = pg.dir.join("data");
@@ -111,6 +120,7 @@ impl OwnPostgres {
             .arg("-c")
             .arg(format!("unix_socket_directories={}", self.dir.display()))
             .args(["-c", "shared_buffers=32MB", "-c", "max_connections=60"])
+            .args(self.settings.iter().flat_map(|s| ["-c", s.as_str()]))
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
@@ -164,6 +174,24 @@ impl OwnPostgres {
         .expect("connect");
         outpost::store::migrate_up(&store).await.expect("migrate");
         store
+    }
+
+    /// Starts a node on database `name` of this server (see [`OwnPostgres::migrated_database`])
+    /// under `redis`'s prefix, with the tests' relay settings.
+    pub async fn start_node(
+        &self,
+        name: &str,
+        redis: &super::TestRedis,
+        node_id: &str,
+    ) -> outpost::dispatch::node::NodeHandle {
+        let config = super::relay_config_at(
+            &self.url(name),
+            &super::redis_url(),
+            &redis.prefix,
+            node_id,
+            &[],
+        );
+        super::start_node(config).await
     }
 
     /// A crash of the server: SIGKILL to the postmaster (its backends notice and exit; the next
