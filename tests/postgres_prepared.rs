@@ -46,6 +46,15 @@ async fn prepare_one(
         .map(|_| ())
 }
 
+/// Commits one event of aggregate `aggregate` through the producer API; returns its id.
+async fn commit_one(store: &Store, aggregate: &str, payload: serde_json::Value) -> Vec<String> {
+    commit_facts(
+        store,
+        vec![EventFact::new("kind0", aggregate, "t", payload)],
+    )
+    .await
+}
+
 /// Entries in the test's streams.
 async fn in_streams(redis: &TestRedis) -> usize {
     support::stream_entries(&mut redis.conn().await, &redis.prefix).await
@@ -141,18 +150,7 @@ async fn a_prepared_transaction_holds_back_its_aggregate_only_and_leaves_no_hole
     // The held aggregate's next writer waits for the prepared transaction's lock on it.
     let writer = tokio::spawn({
         let store = store.clone();
-        async move {
-            commit_facts(
-                &store,
-                vec![EventFact::new(
-                    "kind0",
-                    "held",
-                    "t",
-                    json!({ "after": true }),
-                )],
-            )
-            .await
-        }
+        async move { commit_one(&store, "held", json!({ "after": true })).await }
     });
     wait_until(
         30,
@@ -186,18 +184,7 @@ async fn a_prepared_transaction_holds_back_its_aggregate_only_and_leaves_no_hole
         .await
         .unwrap();
     // The rolled-back event took no place in its aggregate's sequence.
-    expected.extend(
-        commit_facts(
-            &store,
-            vec![EventFact::new(
-                "kind0",
-                "doubt",
-                "t",
-                json!({ "again": true }),
-            )],
-        )
-        .await,
-    );
+    expected.extend(commit_one(&store, "doubt", json!({ "again": true })).await);
 
     wait_until(60, "every committed event to be published", || async {
         scalar(&store, "SELECT count(*) FROM outpost_event").await == 0

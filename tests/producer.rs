@@ -378,29 +378,24 @@ async fn a_transaction_with_the_nudge_turned_off_sends_none() {
     }
     let fact = |id: &str| EventFact::new("o", id, "t", json!({}));
 
+    // One event through the trigger, two through the statement for many events, then one with
+    // the nudge on.
+    let mut last = Vec::new();
     for (value, facts) in [
         ("off", vec![fact(quiet[0])]),
         ("'FALSE'", vec![fact(quiet[1]), fact(quiet[2])]),
+        ("on", vec![fact(&loud)]),
     ] {
         let txn = db.store.connection().begin().await.unwrap();
         txn.execute_unprepared(&format!("SET LOCAL outpost.nudge = {value}"))
             .await
             .unwrap();
-        Producer::default()
+        last = Producer::default()
             .enqueue_facts(&txn, facts)
             .await
             .unwrap();
         txn.commit().await.unwrap();
     }
-    let txn = db.store.connection().begin().await.unwrap();
-    txn.execute_unprepared("SET LOCAL outpost.nudge = on")
-        .await
-        .unwrap();
-    let last = Producer::default()
-        .enqueue_facts(&txn, vec![fact(&loud)])
-        .await
-        .unwrap();
-    txn.commit().await.unwrap();
     assert_eq!(
         listener.recv().await.unwrap(),
         Nudge::Partitions(vec![last[0].partition]),

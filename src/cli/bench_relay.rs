@@ -452,7 +452,7 @@ impl Bench<'_> {
 
     async fn baseline(&self, outpost_rate: Option<f64>) -> anyhow::Result<()> {
         let args = self.args;
-        let loops = args.baseline_loops.min(self.partitions).max(1);
+        let loops = self.bare_loops(BareTable::Outbox);
         let order = match args.baseline_order {
             BaselineOrder::PartitionId => BareOrder::PartitionId,
             BaselineOrder::Id => BareOrder::Id,
@@ -534,11 +534,16 @@ impl Bench<'_> {
             "== steady state: {} producers, {} event(s) per transaction, {} s per rate",
             args.steady_writers, args.steady_tx_size, args.steady_secs
         );
+        let table = match args.steady_relay {
+            SteadyRelay::BarePlain => BareTable::Plain,
+            SteadyRelay::Node | SteadyRelay::Bare => BareTable::Outbox,
+        };
         let loops = |over: &str| {
             format!(
                 "{} bare loops over {over} (no ordering guarantee, no fencing, no quarantine; \
                  claim again at once while rows are found, else wait {} ms)",
-                args.baseline_loops, self.config.relay.busy_poll_ms
+                self.bare_loops(table),
+                self.config.relay.busy_poll_ms
             )
         };
         println!(
@@ -580,10 +585,6 @@ impl Bench<'_> {
             "pg%",
             "redis%"
         );
-        let table = match args.steady_relay {
-            SteadyRelay::BarePlain => BareTable::Plain,
-            SteadyRelay::Node | SteadyRelay::Bare => BareTable::Outbox,
-        };
         for &rate in &args.rates {
             let Some(nz) = NonZeroU32::new(rate) else {
                 continue;
@@ -780,6 +781,15 @@ impl Bench<'_> {
     // ---------------------------------------------------------------------------------------
     // Helpers
 
+    /// How many bare loops run over `table`: `--baseline-loops`, over the outbox at most one per
+    /// partition.
+    fn bare_loops(&self, table: BareTable) -> u32 {
+        match table {
+            BareTable::Outbox => self.args.baseline_loops.min(self.partitions).max(1),
+            BareTable::Plain => self.args.baseline_loops.max(1),
+        }
+    }
+
     /// Starts `--baseline-loops` bare loops like `template`, each on a Redis connection of its
     /// own: over the outbox, the partitions are dealt out among them; over the plain copy, whose
     /// rows are all in partition 0, its rows by id.
@@ -790,7 +800,7 @@ impl Bench<'_> {
         let mut tasks = Vec::new();
         match template.table {
             BareTable::Outbox => {
-                let loops = self.args.baseline_loops.min(self.partitions).max(1);
+                let loops = self.bare_loops(BareTable::Outbox);
                 for k in 0..loops {
                     let partitions = (0..self.partitions)
                         .filter(|p| p % loops == k)
@@ -805,7 +815,7 @@ impl Bench<'_> {
                 }
             }
             BareTable::Plain => {
-                let loops = self.args.baseline_loops.max(1);
+                let loops = self.bare_loops(BareTable::Plain);
                 for k in 0..loops {
                     let each = BareLoop {
                         partitions: vec![0],
