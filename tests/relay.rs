@@ -576,6 +576,55 @@ async fn with_a_long_heartbeat_the_nudge_delivers() {
     node.shutdown().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_with_no_partition_to_deliver_asks_for_no_nudges() {
+    // A node whose every partition is paused (or a standby node holding none, or one that has
+    // not taken its leases yet) has nothing a nudge could wake: were it to ask, every producer's
+    // commit would send a NOTIFY for nothing, and a transaction meant for two-phase commit could
+    // not be prepared.
+    let db = TestDb::new().await;
+    let redis = TestRedis::new();
+    let partitions = scalar(&db, "SELECT partition_count::int8 FROM outpost_meta").await;
+    let all: Vec<i32> = (0..i32::try_from(partitions).unwrap()).collect();
+    db.store
+        .set_paused(&all, true, "test", "operator")
+        .await
+        .unwrap();
+    let node = support::start_node(relay_config(&db, &redis, "paused-node")).await;
+    // Holding every partition, two heartbeats after its start: far longer without work than
+    // `relay.idle_after_ms` (20 ms), after which a node delivering partitions asks for nudges.
+    wait_until(
+        30,
+        "the node to hold its paused partitions for two heartbeats",
+        || async {
+            node.owned_partitions().await.len() == all.len()
+                && scalar(
+                    &db,
+                    "SELECT count(*) FROM outpost_node \
+                 WHERE heartbeat_at >= started_at + interval '400 milliseconds'",
+                )
+                .await
+                    == 1
+        },
+    )
+    .await;
+    assert_eq!(
+        scalar(&db, "SELECT count(*) FROM outpost_node WHERE wants_nudge").await,
+        0,
+        "a node with every partition paused asks for no nudges"
+    );
+    // Resumed, its partitions are delivered; idle again, it asks for nudges.
+    let ids = commit_nth(&db, 1).await;
+    db.store
+        .set_paused(&all, false, "test", "operator")
+        .await
+        .unwrap();
+    let d = wait_delivered(&redis, 1, 30).await;
+    assert!(d.copies.contains_key(&ids[0]));
+    wait_for_idle_node(&db).await;
+    node.shutdown().await;
+}
+
 /// A node that goes idle 50 ms after its last work and polls on its own only every 20 s (its
 /// heartbeat), started and left idle; then `sql` runs (it changes how the node's row behaves).
 async fn idle_node_then(

@@ -316,6 +316,10 @@ impl NodeSupervisor {
                 woken: 0,
             },
         );
+        // A partition taken on (or resumed) may hold a backlog: its actor claims at once, and
+        // the node is busy until it reports idle. This also ends an idle spell in which the
+        // node asked for no nudges because it delivered no partition.
+        self.record_poll(true, ctx);
     }
 
     /// Asks a partition's actor to stop; `release` gives the lease back once it has.
@@ -485,7 +489,7 @@ impl NodeSupervisor {
                                 act.start_actor(l, ctx);
                             }
                         }
-                        act.update_gauges();
+                        act.slots_changed(ctx);
                     }
                     Err(e) => {
                         act.ticking = false;
@@ -494,7 +498,14 @@ impl NodeSupervisor {
                 }),
             );
         }
+        self.slots_changed(ctx);
+    }
+
+    /// After partitions were taken on, lost, paused or handed over: the gauges, and whether the
+    /// node still wants nudges ([`Self::sync_nudge_flag`]).
+    fn slots_changed(&mut self, ctx: &mut Context<Self>) {
         self.update_gauges();
+        self.sync_nudge_flag(ctx);
     }
 
     fn update_gauges(&self) {
@@ -847,12 +858,24 @@ impl NodeSupervisor {
     }
 
     fn apply(&mut self, action: Action, ctx: &mut Context<Self>) {
-        let wants = match action {
-            Action::None => return,
-            Action::AskForNudges => true,
-            Action::StopNudges => false,
-        };
-        self.nudge_flag.wanted = wants;
+        if action != Action::None {
+            self.sync_nudge_flag(ctx);
+        }
+    }
+
+    /// Whether some held partition is delivered by this node (not paused, not being stopped).
+    fn delivers_a_partition(&self) -> bool {
+        self.slots
+            .values()
+            .any(|s| matches!(s.state, SlotState::Busy | SlotState::Idle))
+    }
+
+    /// Asks for nudges while idle and delivering some partition; stops asking otherwise. A
+    /// node without a partition to deliver (a standby node of a cluster with more nodes than
+    /// partitions, every partition paused, a node starting before its first leases) has
+    /// nothing a nudge could wake, and producers would pay a `NOTIFY` per commit for it.
+    fn sync_nudge_flag(&mut self, ctx: &mut Context<Self>) {
+        self.nudge_flag.wanted = self.wake.is_idle() && self.delivers_a_partition();
         self.write_nudge_flag(ctx);
     }
 
@@ -1016,7 +1039,7 @@ impl NodeSupervisor {
                         ),
                         Err(e) => tracing::warn!(error = %e, partition = p, "checking a fenced lease failed"),
                     }
-                    act.update_gauges();
+                    act.slots_changed(ctx);
                 }),
         );
     }
@@ -1070,7 +1093,7 @@ impl Handler<PartitionReport> for NodeSupervisor {
             }
             PartitionReport::LeaseLost(p, _) => {
                 self.slots.remove(&p);
-                self.update_gauges();
+                self.slots_changed(ctx);
             }
             PartitionReport::Fenced(p, ours, seen) => self.on_fenced(p, ours, seen, ctx),
             PartitionReport::Stopped(p) => {
