@@ -601,7 +601,7 @@ async fn a_node_with_no_partition_to_deliver_asks_for_no_nudges() {
                 && scalar(
                     &db,
                     "SELECT count(*) FROM outpost_node \
-                 WHERE heartbeat_at >= started_at + interval '400 milliseconds'",
+                     WHERE heartbeat_at >= started_at + interval '400 milliseconds'",
                 )
                 .await
                     == 1

@@ -1213,7 +1213,7 @@ impl Handler<OwnedPartitions> for NodeSupervisor {
 /// The node's wish for nudges and what it last wrote of it (`outpost_node.wants_nudge`).
 #[derive(Debug, Default)]
 struct NudgeFlag {
-    /// What the row should say: the wake-up state's last request.
+    /// What the row should say: idle and delivering some partition ([`NodeSupervisor::sync_nudge_flag`]).
     wanted: bool,
     /// What the last write that went through wrote (`None`: nothing yet, or the last write
     /// failed and the row may say either).

@@ -43,7 +43,8 @@ pub struct WakePolicy {
 pub enum Action {
     /// Nothing beyond waiting [`Wakeup::next_wait`].
     None,
-    /// Set `wants_nudge = true`, then poll again at once.
+    /// Set `wants_nudge = true` (the supervisor does only while it delivers some partition),
+    /// then poll again at once.
     AskForNudges,
     /// Set `wants_nudge = false`.
     StopNudges,
