@@ -61,25 +61,50 @@ impl Arrivals {
         })
     }
 
-    /// Latency of every event both committed and seen; an entry seen a few microseconds before
-    /// its producer heard of the commit counts as 0.
+    /// (commit time in nanoseconds since `base`, latency in nanoseconds) of every event both
+    /// committed and seen; an entry seen a few microseconds before its producer heard of the
+    /// commit counts as 0.
+    fn latencies(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.committed.iter().zip(&self.seen).filter_map(|(c, s)| {
+            let (c, s) = (c.load(Ordering::Relaxed), s.load(Ordering::Relaxed));
+            (c > 0 && s > 0).then(|| (c, s.saturating_sub(c)))
+        })
+    }
+
+    /// Latency of every event both committed and seen.
     pub fn percentiles(&self) -> Percentiles {
-        let mut lat: Vec<u64> = self
-            .committed
-            .iter()
-            .zip(&self.seen)
-            .filter_map(|(c, s)| {
-                let (c, s) = (c.load(Ordering::Relaxed), s.load(Ordering::Relaxed));
-                (c > 0 && s > 0).then(|| s.saturating_sub(c))
-            })
-            .collect();
+        Percentiles::of(self.latencies().map(|(_, l)| l).collect())
+    }
+
+    /// The same percentiles for each second of commits, from the first commit on: tells a tail
+    /// spread evenly over the run from one made by a few stalls.
+    pub fn per_second(&self) -> Vec<Percentiles> {
+        let first = self.latencies().map(|(c, _)| c).min().unwrap_or(0);
+        let mut seconds: Vec<Vec<u64>> = Vec::new();
+        for (c, l) in self.latencies() {
+            let i = usize::try_from((c - first) / 1_000_000_000).unwrap_or(usize::MAX);
+            if i >= seconds.len() {
+                // A second index comes from a run of minutes: the vector stays small.
+                seconds.resize_with(i.saturating_add(1), Vec::new);
+            }
+            if let Some(v) = seconds.get_mut(i) {
+                v.push(l);
+            }
+        }
+        seconds.into_iter().map(Percentiles::of).collect()
+    }
+}
+
+impl Percentiles {
+    /// Percentiles of latencies in nanoseconds.
+    fn of(mut lat: Vec<u64>) -> Self {
         lat.sort_unstable();
         let at = |q: f64| {
             let last = lat.len().checked_sub(1)?;
             let i = ((last as f64) * q).round() as usize;
             lat.get(i.min(last)).map(|ns| *ns as f64 / 1e9)
         };
-        Percentiles {
+        Self {
             events: lat.len(),
             p50: at(0.50),
             p90: at(0.90),
@@ -163,5 +188,27 @@ mod tests {
         assert_eq!(p.events, 3);
         assert_eq!(p.p50, Some(0.002));
         assert_eq!(p.max, Some(0.003));
+    }
+
+    #[test]
+    fn percentiles_per_second_of_commit() {
+        let a = Arrivals::new(3);
+        // Two events committed in the first second, one 2.5 s later; none in between.
+        for (i, (c, l)) in [
+            (1_000, 1_000_000),
+            (500_000_000, 3_000_000),
+            (2_500_000_000, 40_000_000),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            a.committed[i].store(c, Ordering::Relaxed);
+            a.seen[i].store(c + l, Ordering::Relaxed);
+        }
+        let s = a.per_second();
+        assert_eq!(s.len(), 3);
+        assert_eq!((s[0].events, s[0].max), (2, Some(0.003)));
+        assert_eq!(s[1].events, 0);
+        assert_eq!((s[2].events, s[2].p50), (1, Some(0.04)));
     }
 }

@@ -133,6 +133,10 @@ pub struct RelayBench {
     /// or over its plain copy (to tell the relay's share of the latency from the producers').
     #[arg(long, value_enum, default_value_t = SteadyRelay::Node)]
     steady_relay: SteadyRelay,
+    /// After each steady run, commit->stream percentiles for each second of commits (a tail
+    /// spread over the run, or a few stalls).
+    #[arg(long)]
+    steady_timeline: bool,
     /// Length of the idle window.
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
     idle_secs: u64,
@@ -677,11 +681,12 @@ impl Bench<'_> {
                     before.diff(&after, self.clk_tck),
                     arrivals.percentiles(),
                     phases,
+                    args.steady_timeline.then(|| arrivals.per_second()),
                 ))
             }
             .await;
             relay.stop().await?;
-            let (report, usage, seen, phases) = measured?;
+            let (report, usage, seen, phases, timeline) = measured?;
             // Deleted rows leave no times to read.
             let lat = if args.delete_published {
                 None
@@ -699,6 +704,9 @@ impl Bench<'_> {
             print_steady_row(rate, &report, &seen, lat.as_ref(), &usage);
             if let Some((who, p)) = phases {
                 p.print(who);
+            }
+            if let Some(seconds) = timeline {
+                print_timeline(&seconds);
             }
             if left > 0 {
                 println!(
@@ -1141,6 +1149,29 @@ pub(super) fn noop() -> Arc<dyn Fn(Committed) + Send + Sync> {
     Arc::new(|_| {})
 }
 
+/// Seconds as milliseconds with one decimal, `-` for none.
+fn ms(v: Option<f64>) -> String {
+    v.map_or("-".to_owned(), |s| format!("{:.1}", s * 1000.0))
+}
+
+/// One line per second of commits: events, commit->stream p50, p99 and max in milliseconds.
+fn print_timeline(seconds: &[Percentiles]) {
+    println!(
+        "   {:>6} {:>7} {:>6} {:>6} {:>7}",
+        "second", "events", "p50", "p99", "max"
+    );
+    for (i, p) in seconds.iter().enumerate() {
+        println!(
+            "   {:>6} {:>7} {:>6} {:>6} {:>7}",
+            i,
+            p.events,
+            ms(p.p50),
+            ms(p.p99),
+            ms(p.max)
+        );
+    }
+}
+
 fn print_steady_row(
     rate: u32,
     report: &LoadReport,
@@ -1148,7 +1179,6 @@ fn print_steady_row(
     lat: Option<&store::bench::PublishLatency>,
     usage: &Usage,
 ) {
-    let ms = |v: Option<f64>| v.map_or("-".to_owned(), |s| format!("{:.1}", s * 1000.0));
     let pct = |v: Option<f64>| {
         v.map_or("n/a".to_owned(), |c| {
             format!("{:.0}", c / usage.wall.as_secs_f64().max(1e-9) * 100.0)
