@@ -635,12 +635,15 @@ pub async fn wait_for_idle_node(db: &TestDb) {
 }
 
 /// Every row is published: the outbox is empty (published events live in `outpost_published`).
+/// Waits for it: a reader can see an entry in Redis before its node has marked the row (the mark
+/// follows Redis's reply, a round trip later over a slow link).
 pub async fn assert_all_published(db: &TestDb) {
-    assert_eq!(
-        scalar(db, "SELECT count(*) FROM outpost_event").await,
-        0,
-        "every row is published"
-    );
+    wait_until(
+        60,
+        "every row to be published (an empty outbox)",
+        || async { scalar(db, "SELECT count(*) FROM outpost_event").await == 0 },
+    )
+    .await;
 }
 
 /// How many migrations, from `name` on, `migrate_down` must revert to undo `name`.
