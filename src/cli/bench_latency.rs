@@ -82,10 +82,13 @@ impl Arrivals {
         let first = self.latencies().map(|(c, _)| c).min().unwrap_or(0);
         let mut seconds: Vec<Vec<u64>> = Vec::new();
         for (c, l) in self.latencies() {
-            let i = usize::try_from((c - first) / 1_000_000_000).unwrap_or(usize::MAX);
+            // `first` is the earliest commit, so `c - first` cannot underflow; a steady run lasts
+            // seconds to minutes, so the vector stays small.
+            let Ok(i) = usize::try_from((c - first) / 1_000_000_000) else {
+                continue;
+            };
             if i >= seconds.len() {
-                // A second index comes from a run of minutes: the vector stays small.
-                seconds.resize_with(i.saturating_add(1), Vec::new);
+                seconds.resize_with(i + 1, Vec::new);
             }
             if let Some(v) = seconds.get_mut(i) {
                 v.push(l);
