@@ -15,12 +15,11 @@ use metrics::{counter, histogram};
 
 use super::ratelimit::RateLimits;
 use super::route::{Route, Router};
+use super::settle::{Origin, PartitionCalls, Settlement, failure, settle};
 use super::streams::StreamBook;
 use crate::metrics as m;
-use crate::publish::{
-    Entry, ErrorClass, Message, PublishError, Publisher, StreamBatch, StreamOutcome,
-};
-use crate::store::{BatchResult, ClaimedEvent, FailedEvent, LeaseRef, Store, StoreError};
+use crate::publish::{Entry, Message, PublishError, Publisher, StreamBatch, StreamOutcome};
+use crate::store::{BatchResult, ClaimedEvent, LeaseRef, Store, StoreError};
 
 /// Relay settings every batch uses.
 #[derive(Debug, Clone)]
@@ -154,20 +153,23 @@ impl From<StoreError> for BatchError {
     }
 }
 
-/// Where each entry of a stream batch came from (its aggregate is the entry's).
-#[derive(Debug, Clone)]
-struct Origin {
-    id: i64,
-    seq: i64,
-    attempts: i32,
-    recorded_at: chrono::DateTime<chrono::FixedOffset>,
-}
-
+/// A partition's batch as routed and encoded: its stream calls (one per stream, each call's
+/// entries in order) and the origins of their entries, and what routing decided already.
 #[derive(Debug, Default)]
 struct Plan {
     batches: Vec<StreamBatch>,
     origins: Vec<Vec<Origin>>,
     result: BatchResult,
+}
+
+/// One partition of a group with rows to deliver.
+#[derive(Debug)]
+struct Planned {
+    /// Its index in the group's leases.
+    index: usize,
+    plan: Plan,
+    /// Rows its claim returned.
+    claimed: usize,
 }
 
 type Outcome = Result<BatchOutcome, BatchError>;
@@ -274,25 +276,25 @@ pub async fn run_group(
         .collect();
     claimed(&empty);
     let mut outcomes: Vec<Option<Outcome>> = vec![None; leases.len()];
-    // (index in `leases`, plan, rows claimed)
-    let mut plans: Vec<(usize, Plan, usize)> = Vec::new();
+    let mut plans: Vec<Planned> = Vec::new();
     for (i, lease) in leases.iter().enumerate() {
         match by_partition.remove(&lease.partition) {
             None => outcomes[i] = Some(Ok(BatchOutcome::Idle)),
             Some(rows) => {
                 let claimed = rows.len();
-                plans.push((
-                    i,
-                    plan(
-                        &worker.shared.router,
-                        &worker.publisher,
-                        &worker.shared.streams,
-                        settings,
-                        rows,
-                        lease,
-                    ),
+                let plan = plan(
+                    &worker.shared.router,
+                    &worker.publisher,
+                    &worker.shared.streams,
+                    settings,
+                    rows,
+                    lease,
+                );
+                plans.push(Planned {
+                    index: i,
+                    plan,
                     claimed,
-                ));
+                });
             }
         }
     }
@@ -306,7 +308,7 @@ pub async fn run_group(
     // A busy poll claims for every idle partition: what it found is published and marked by
     // groups of at most GROUP_MAX partitions at once, each on its own connection, as partition
     // actors' batches are, so a large mark does not hold every partition that had a row.
-    let mut groups: Vec<Vec<(usize, Plan, usize)>> = Vec::new();
+    let mut groups: Vec<Vec<Planned>> = Vec::new();
     for p in plans {
         match groups.last_mut() {
             Some(g) if g.len() < GROUP_MAX => g.push(p),
@@ -325,19 +327,19 @@ pub async fn run_group(
     finish(outcomes)
 }
 
-/// Rate-limits, publishes and marks what was claimed for some of `leases` (`plans`: index in
-/// `leases`, plan, rows claimed); each partition's outcome with its index in `leases`.
+/// Rate-limits, publishes and marks what was claimed for some of `leases`; each partition's
+/// outcome with its index in `leases`.
 async fn deliver(
     worker: &Worker,
     leases: &[LeaseRef],
-    mut plans: Vec<(usize, Plan, usize)>,
+    mut plans: Vec<Planned>,
     per_rows: u32,
 ) -> Vec<(usize, Outcome)> {
     let settings = &worker.shared.settings;
     let mut out: Vec<(usize, Outcome)> = Vec::with_capacity(plans.len());
 
-    for (_, plan, _) in &plans {
-        for b in &plan.batches {
+    for p in &plans {
+        for b in &p.plan.batches {
             if worker
                 .shared
                 .limits
@@ -352,34 +354,51 @@ async fn deliver(
         let e = BatchError::LeaseLost(
             "the lease may have expired (no renewal in time); not publishing".to_owned(),
         );
-        for (i, _, _) in &plans {
-            out.push((*i, Err(e.clone())));
+        for p in &plans {
+            out.push((p.index, Err(e.clone())));
         }
         return out;
     }
     fail::fail_point!("before-publish", |_| std::process::abort());
     let all: Vec<StreamBatch> = plans
         .iter_mut()
-        .flat_map(|(_, plan, _)| std::mem::take(&mut plan.batches))
+        .flat_map(|p| std::mem::take(&mut p.plan.batches))
         .collect();
     let started = Instant::now();
     let published = publish(worker, &all).await;
     histogram!(m::PUBLISH_SECONDS).record(started.elapsed().as_secs_f64());
-    let mut replies = match published {
-        Ok(o) => all.iter().zip(o),
+    let replies = match published {
+        Ok(o) => o,
         Err(e) => {
             counter!(m::FAILURES, "kind" => "transient", "code" => e.code().to_owned())
                 .increment(1);
             let e = BatchError::Transient(e.to_string());
-            for (i, _, _) in &plans {
-                out.push((*i, Err(e.clone())));
+            for p in &plans {
+                out.push((p.index, Err(e.clone())));
             }
             return out;
         }
     };
     fail::fail_point!("after-publish", |_| std::process::abort());
+    note_replies(&worker.shared.streams, &all, &replies);
 
-    let now = chrono::Utc::now();
+    let mut parts = Vec::with_capacity(plans.len());
+    let mut heads = Vec::with_capacity(plans.len());
+    for p in plans {
+        heads.push((p.index, p.claimed));
+        parts.push(PartitionCalls {
+            origins: p.plan.origins,
+            result: p.plan.result,
+        });
+    }
+    let settled = settle(
+        settings,
+        &mut rand::rng(),
+        parts,
+        &all,
+        replies,
+        chrono::Utc::now(),
+    );
     let commit_to_publish = histogram!(m::COMMIT_TO_PUBLISH_SECONDS);
     // Partitions whose batch only published go to one shared mark; the others (failures,
     // no-destination rows, released holds) are recorded one by one.
@@ -387,74 +406,37 @@ async fn deliver(
     let mut shared_published: Vec<(i64, String)> = Vec::new();
     let mut shared_leases: Vec<(i32, i64)> = Vec::new();
     let mut detailed: Vec<(usize, usize, BatchResult, Option<PublishError>)> = Vec::new();
-    'plans: for (i, plan, claimed) in plans {
-        let mut result = plan.result;
-        let mut transient: Option<PublishError> = None;
-        for origins in plan.origins {
-            let Some((batch, outcome)) = replies.next() else {
-                break;
-            };
-            let stream = batch.stream.as_str();
-            let (ids, error) = match outcome {
-                StreamOutcome::Lost => {
-                    worker.shared.streams.flag_lost();
-                    out.push((
-                        i,
-                        Err(BatchError::Transient(format!(
-                            "stream {stream} is known to exist but Redis has lost it; nothing \
+    for ((i, claimed), settlement) in heads.into_iter().zip(settled) {
+        let (result, transient) = match settlement {
+            Settlement::Fenced { current } => {
+                out.push((i, Err(BatchError::Fenced { current })));
+                continue;
+            }
+            Settlement::Lost { stream } => {
+                out.push((
+                    i,
+                    Err(BatchError::Transient(format!(
+                        "stream {stream} is known to exist but Redis has lost it; nothing \
                          appended until the loss is handled"
-                        ))),
-                    ));
-                    continue 'plans;
-                }
-                StreamOutcome::Published(ids) => (ids, None),
-                StreamOutcome::Failed { ids, error } => (ids, Some(error)),
-                StreamOutcome::Fenced { current } => {
-                    counter!(m::FENCED, "at" => "redis").increment(1);
-                    out.push((i, Err(BatchError::Fenced { current })));
-                    // Skip this partition's remaining replies.
-                    continue 'plans;
-                }
-            };
-            let n_ok = ids.len();
-            if let Some(last) = ids.last() {
-                worker.shared.streams.published(stream, last);
+                    ))),
+                ));
+                continue;
             }
-            for ((origin, entry), id) in origins.iter().zip(&batch.entries).zip(ids) {
-                let latency = (now - origin.recorded_at.with_timezone(&chrono::Utc))
-                    .to_std()
-                    .unwrap_or_default();
-                commit_to_publish.record(latency.as_secs_f64());
-                if origin.attempts > 0 {
-                    let (kind, aggregate) = entry.aggregate();
-                    result
-                        .unblocked
-                        .push((kind.to_owned(), aggregate.to_owned(), origin.seq));
+            Settlement::Answered {
+                result,
+                transient,
+                latencies,
+            } => {
+                for l in latencies {
+                    commit_to_publish.record(l.as_secs_f64());
                 }
-                result.published.push((origin.id, id));
+                (result, transient)
             }
-            if let (Some(error), Some(origin), Some(entry)) =
-                (error, origins.get(n_ok), batch.entries.get(n_ok))
-            {
-                match error.class() {
-                    ErrorClass::Permanent => {
-                        let failed = failure(settings, origin, entry.aggregate(), &error);
-                        result.failed.push(failed);
-                    }
-                    ErrorClass::Transient => transient = Some(error),
-                }
-            }
-        }
+        };
         counter!(m::PUBLISHED).increment(result.published.len() as u64);
         counter!(m::NO_DESTINATION).increment(result.no_destination.len() as u64);
         for f in &result.failed {
-            let code = f
-                .error
-                .split_whitespace()
-                .next()
-                .unwrap_or("ERR")
-                .to_owned();
-            counter!(m::FAILURES, "kind" => "permanent", "code" => code).increment(1);
+            counter!(m::FAILURES, "kind" => "permanent", "code" => f.code.clone()).increment(1);
         }
         let only_published = result.failed.is_empty()
             && result.no_destination.is_empty()
@@ -613,26 +595,21 @@ async fn publish(
     worker.publisher.publish(batches).await
 }
 
-fn failure(
-    settings: &RelaySettings,
-    origin: &Origin,
-    (aggregate_type, aggregate_id): (&str, &str),
-    error: &PublishError,
-) -> FailedEvent {
-    let attempt = u32::try_from(origin.attempts.max(0)).unwrap_or(0) + 1;
-    let delay = super::backoff::delay(
-        attempt,
-        settings.backoff_base,
-        settings.backoff_max,
-        &mut rand::rng(),
-    );
-    FailedEvent {
-        id: origin.id,
-        aggregate_type: aggregate_type.to_owned(),
-        aggregate_id: aggregate_id.to_owned(),
-        aggregate_seq: origin.seq,
-        error: error.to_string(),
-        retry_in_ms: i64::try_from(delay.as_millis()).unwrap_or(i64::MAX),
+/// What every reply says regardless of the partition it belongs to: the newest entry id of
+/// each stream written, a stream found lost, a fence met.
+fn note_replies(book: &StreamBook, calls: &[StreamBatch], replies: &[StreamOutcome]) {
+    for (call, reply) in calls.iter().zip(replies) {
+        match reply {
+            StreamOutcome::Published(ids) | StreamOutcome::Failed { ids, .. } => {
+                if let Some(last) = ids.last() {
+                    book.published(&call.stream, last);
+                }
+            }
+            StreamOutcome::Lost => book.flag_lost(),
+            StreamOutcome::Fenced { .. } => {
+                counter!(m::FENCED, "at" => "redis").increment(1);
+            }
+        }
     }
 }
 
@@ -724,9 +701,13 @@ fn plan(
             Ok(Some(idx)) => idx,
             Err(e) => {
                 let err = PublishError::event("UNROUTABLE", e);
-                plan.result
-                    .failed
-                    .push(failure(settings, &origin, aggregate, &err));
+                plan.result.failed.push(failure(
+                    settings,
+                    &mut rand::rng(),
+                    &origin,
+                    aggregate,
+                    &err,
+                ));
                 aggregates.insert(key, None);
                 continue;
             }
@@ -748,9 +729,13 @@ fn plan(
                     settings.max_payload_bytes
                 ),
             );
-            plan.result
-                .failed
-                .push(failure(settings, &origin, aggregate, &err));
+            plan.result.failed.push(failure(
+                settings,
+                &mut rand::rng(),
+                &origin,
+                aggregate,
+                &err,
+            ));
             aggregates.insert(key, None);
             continue;
         }
@@ -772,9 +757,13 @@ fn plan(
             Err(failed) => {
                 let (e, m) = *failed;
                 let aggregate = (m.aggregate_type.as_str(), m.aggregate_id.as_str());
-                plan.result
-                    .failed
-                    .push(failure(settings, &origin, aggregate, &e));
+                plan.result.failed.push(failure(
+                    settings,
+                    &mut rand::rng(),
+                    &origin,
+                    aggregate,
+                    &e,
+                ));
                 aggregates.insert(key, None);
                 continue;
             }

@@ -10,6 +10,7 @@ pub mod partition;
 pub mod ratelimit;
 pub mod redis_loss;
 pub mod route;
+mod settle;
 pub mod streams;
 pub mod supervisor;
 pub mod wakeup;

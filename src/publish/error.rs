@@ -72,6 +72,15 @@ impl PublishError {
         }
     }
 
+    /// A transient error Outpost detects itself (`code` is Outpost's own, e.g. `IO`).
+    pub fn transient(code: &str, message: impl Into<String>) -> Self {
+        Self {
+            class: ErrorClass::Transient,
+            code: code.to_owned(),
+            message: message.into(),
+        }
+    }
+
     /// The publish script ran after its call's deadline (half the node's wait for the call: too
     /// late for its answer to be sure to reach the node) and appended nothing.
     pub fn late() -> Self {

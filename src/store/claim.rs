@@ -67,6 +67,9 @@ pub struct FailedEvent {
     pub aggregate_id: String,
     /// Its sequence: later events of the aggregate are held.
     pub aggregate_seq: i64,
+    /// The failure's code (`WRONGTYPE`, `OVERSIZE`, `UNROUTABLE`, `ENCODING`, `UNDECODABLE`,
+    /// …): the metric label.
+    pub code: String,
     /// What went wrong (stored in `last_error`).
     pub error: String,
     /// Delay before the next attempt, in milliseconds.

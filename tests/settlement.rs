@@ -1,0 +1,171 @@
+//! A group's replies are settled per partition: a partition fenced or lost on one of its streams
+//! never hands its other replies to the partition after it in the group.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use outpost::dispatch::batch::{Claim, LeaseDeadline, RelaySettings, Shared, Worker};
+use outpost::dispatch::ratelimit::RateLimits;
+use outpost::dispatch::route::Router;
+use outpost::dispatch::streams::StreamBook;
+use outpost::produce::EventFact;
+use outpost::publish::{Publisher, RedisSettings, Topology};
+use outpost::store::LeaseRef;
+use support::{TestDb, TestRedis, commit_facts, redis_url, relay_config, scalar};
+
+/// A worker over the test's database and Redis prefix, as a node builds one.
+async fn worker(db: &TestDb, redis: &TestRedis) -> Worker {
+    let config = relay_config(db, redis, "n1");
+    let publisher = Publisher::connect(&RedisSettings {
+        url: redis_url(),
+        key_prefix: redis.prefix.clone(),
+        connect_timeout: Duration::from_secs(2),
+        response_timeout: Duration::from_secs(5),
+        topology: Topology::Single,
+    })
+    .await
+    .expect("publisher");
+    let shared = Shared {
+        router: Router::new(&config.routing),
+        limits: RateLimits::new(&config.rate_limit),
+        settings: RelaySettings {
+            batch_rows: 100,
+            batch_bytes: 1 << 20,
+            max_attempts: 5,
+            backoff_base: Duration::from_millis(10),
+            backoff_max: Duration::from_millis(100),
+            delete_published: false,
+            max_payload_bytes: 1 << 18,
+        },
+        deadline: LeaseDeadline::new(),
+        streams: StreamBook::default(),
+    };
+    shared
+        .deadline
+        .extend_to(Instant::now() + Duration::from_secs(60));
+    Worker {
+        store: db.store.clone(),
+        publisher,
+        slots: Arc::new(tokio::sync::Semaphore::new(4)),
+        queue: Arc::default(),
+        shared: Arc::new(shared),
+    }
+}
+
+/// An aggregate id of type `order` in `partition`.
+async fn aggregate_in(db: &TestDb, partition: i32, skip: i64) -> String {
+    let n = scalar(
+        db,
+        &format!(
+            "SELECT g::int8 FROM generate_series(1, 100000) g \
+             WHERE outpost_partition_of('order', 'o' || g, \
+                                        (SELECT partition_count FROM outpost_meta)) = {partition} \
+             ORDER BY g OFFSET {skip} LIMIT 1"
+        ),
+    )
+    .await;
+    format!("o{n}")
+}
+
+fn fact(aggregate: &str, destination: &str) -> EventFact {
+    EventFact::new(
+        "order",
+        aggregate,
+        "order.placed",
+        serde_json::json!({"k": 1}),
+    )
+    .destination(destination)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_fenced_on_its_first_stream_leaves_the_next_partitions_replies_alone() {
+    let db = TestDb::new().await;
+    let redis = TestRedis::new();
+    let worker = worker(&db, &redis).await;
+    let (p1, p2) = (3, 7);
+    // Partition p1 writes two streams (a, then b); partition p2 one (c), which holds a key of
+    // the wrong type, so its call fails for its first entry.
+    let (x, y) = (
+        aggregate_in(&db, p1, 0).await,
+        aggregate_in(&db, p1, 1).await,
+    );
+    // The producer writes aggregates in key order: x's row comes first, so its stream is the
+    // partition's first call.
+    let (x, y) = if x < y { (x, y) } else { (y, x) };
+    let z = aggregate_in(&db, p2, 0).await;
+    commit_facts(&db.store, vec![fact(&x, "a"), fact(&y, "b"), fact(&z, "c")]).await;
+    let publisher = &worker.publisher;
+    let mut conn = redis.conn().await;
+    let _: () = redis::cmd("SET")
+        .arg(publisher.stream_key("c"))
+        .arg("not a stream")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    // Another node's newer epoch on p1's first stream.
+    let fence = publisher.fence_key(&publisher.stream_key("a")).unwrap();
+    let _: () = redis::cmd("HSET")
+        .arg(&fence)
+        .arg(p1.to_string())
+        .arg("1000000")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+
+    let leases = db
+        .store
+        .acquire_partitions("n1", 60_000, &[], 64)
+        .await
+        .unwrap();
+    let lease = |p: i32| LeaseRef {
+        partition: p,
+        node_id: "n1".to_owned(),
+        epoch: leases.iter().find(|l| l.partition == p).unwrap().epoch,
+    };
+    let outcomes = worker
+        .run_together(&[lease(p1), lease(p2)], Claim::PerPartition, |_| {})
+        .await;
+
+    assert!(
+        matches!(
+            outcomes[0],
+            Err(outpost::dispatch::batch::BatchError::Fenced { current: 1_000_000 })
+        ),
+        "{outcomes:?}"
+    );
+    assert!(outcomes[1].is_ok(), "{outcomes:?}");
+    // p2's event was never appended: it must not be marked published (with p1's entry id on b,
+    // as it was when the replies of a group were one sequence).
+    let published = scalar(
+        &db,
+        &format!("SELECT count(*) FROM outpost_published WHERE aggregate_id = '{z}'"),
+    )
+    .await;
+    assert_eq!(published, 0, "p2's unpublished event was marked published");
+    let retrying = scalar(
+        &db,
+        &format!(
+            "SELECT count(*) FROM outpost_event WHERE aggregate_id = '{z}' \
+             AND status = 'retry_wait' AND last_error LIKE 'WRONGTYPE%'"
+        ),
+    )
+    .await;
+    assert_eq!(
+        retrying, 1,
+        "p2's event is waiting to retry its own failure"
+    );
+    // p1 was fenced: nothing of it recorded.
+    let p1_rows = scalar(
+        &db,
+        &format!(
+            "SELECT count(*) FROM outpost_event WHERE partition = {p1} AND status = 'pending' \
+             AND attempts = 0"
+        ),
+    )
+    .await;
+    assert_eq!(p1_rows, 2);
+}
