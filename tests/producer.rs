@@ -67,7 +67,7 @@ async fn nudged_node(db: &TestDb) -> NudgeListener {
         })
         .await
         .unwrap();
-    db.store.set_wants_nudge("n1", true).await.unwrap();
+    db.store.set_wants_nudge("n1", true, 60_000).await.unwrap();
     NudgeListener::connect(&db.url).await.unwrap()
 }
 
@@ -331,11 +331,11 @@ async fn plain_sql_insert_gets_the_same_sequence_partition_and_nudge() {
     assert_eq!(sql_row.schema_version, "1");
 
     // With no node asking for nudges, inserts send none.
-    db.store.set_wants_nudge("n1", false).await.unwrap();
+    db.store.set_wants_nudge("n1", false, 60_000).await.unwrap();
     let txn = db.store.connection().begin().await.unwrap();
     p.enqueue(&txn, &paid("o-10")).await.unwrap();
     txn.commit().await.unwrap();
-    db.store.set_wants_nudge("n1", true).await.unwrap();
+    db.store.set_wants_nudge("n1", true, 60_000).await.unwrap();
     let txn = db.store.connection().begin().await.unwrap();
     let last = p.enqueue(&txn, &paid("o-11")).await.unwrap();
     txn.commit().await.unwrap();
@@ -967,7 +967,7 @@ async fn one_statement_for_many_events_sequences_holds_and_nudges_like_the_trigg
     assert_eq!(first_nudge, Nudge::Partitions(vec![out[0].partition]));
 
     // With no node asking, the statement sends none.
-    db.store.set_wants_nudge("n1", false).await.unwrap();
+    db.store.set_wants_nudge("n1", false, 60_000).await.unwrap();
     let txn = db.store.connection().begin().await.unwrap();
     p.enqueue_facts(
         &txn,
@@ -979,7 +979,7 @@ async fn one_statement_for_many_events_sequences_holds_and_nudges_like_the_trigg
     .await
     .unwrap();
     txn.commit().await.unwrap();
-    db.store.set_wants_nudge("n1", true).await.unwrap();
+    db.store.set_wants_nudge("n1", true, 60_000).await.unwrap();
     let txn = db.store.connection().begin().await.unwrap();
     let last = p.enqueue(&txn, &paid("o-22")).await.unwrap();
     txn.commit().await.unwrap();

@@ -36,6 +36,7 @@ mod m20261202_000006_insert_checks;
 mod m20261202_000007_lean_insert;
 mod m20261203_000008_published_history;
 mod m20261205_000009_nudge_opt_out;
+mod m20261206_000010_insert_fixes;
 
 /// The ordered list of Outpost's migrations, recorded in `outpost_migrations`.
 #[derive(Debug)]
@@ -54,6 +55,7 @@ impl MigratorTrait for Migrator {
             Box::new(m20261202_000007_lean_insert::Migration),
             Box::new(m20261203_000008_published_history::Migration),
             Box::new(m20261205_000009_nudge_opt_out::Migration),
+            Box::new(m20261206_000010_insert_fixes::Migration),
         ]
     }
 

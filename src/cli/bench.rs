@@ -208,8 +208,12 @@ async fn listen(
     let mut listener = NudgeListener::connect(&url).await?;
     let mut high_water = store.outbox_high_water().await?;
     let mut wake = Wakeup::new(policy, Instant::now());
+    // It sends no heartbeat: its request for nudges lasts the run (an hour at most).
+    const ASKING_MS: u64 = 3_600_000;
     if mode == Listener::AlwaysNudge {
-        store.set_wants_nudge(&node.node_id, true).await?;
+        store
+            .set_wants_nudge(&node.node_id, true, ASKING_MS)
+            .await?;
     }
     let mut nudges = 0u64;
     while !stop.load(Ordering::Relaxed) {
@@ -228,8 +232,16 @@ async fn listen(
         };
         if mode == Listener::Adaptive {
             match action {
-                Action::AskForNudges => store.set_wants_nudge(&node.node_id, true).await?,
-                Action::StopNudges => store.set_wants_nudge(&node.node_id, false).await?,
+                Action::AskForNudges => {
+                    store
+                        .set_wants_nudge(&node.node_id, true, ASKING_MS)
+                        .await?;
+                }
+                Action::StopNudges => {
+                    store
+                        .set_wants_nudge(&node.node_id, false, ASKING_MS)
+                        .await?;
+                }
                 Action::None => {}
             }
         }

@@ -162,6 +162,21 @@ struct Plan {
     result: BatchResult,
 }
 
+impl Plan {
+    /// Records the failure of `origin`'s row before publishing (unroutable, oversize, not
+    /// encodable, not decodable).
+    fn fail(
+        &mut self,
+        settings: &RelaySettings,
+        origin: &Origin,
+        aggregate: (&str, &str),
+        error: &PublishError,
+    ) {
+        let failed = failure(settings, &mut rand::rng(), origin, aggregate, error);
+        self.result.failed.push(failed);
+    }
+}
+
 /// One partition of a group with rows to deliver.
 #[derive(Debug)]
 struct Planned {
@@ -650,6 +665,15 @@ fn plan(
             attempts: row.attempts,
             recorded_at: row.recorded_at,
         };
+        if let Some(why) = &row.undecodable {
+            let err = PublishError::event(
+                "UNDECODABLE",
+                format!("a column of row {} cannot be read: {why}", row.id),
+            );
+            plan.fail(settings, &origin, aggregate, &err);
+            aggregates.insert(key, None);
+            continue;
+        }
         let known_route = routes.iter().find(|((t, e, d), _)| {
             *t == row.aggregate_type && *e == row.event_type && *d == row.destination
         });
@@ -696,18 +720,25 @@ fn plan(
         let idx = match route {
             Ok(None) => {
                 plan.result.no_destination.push(row.id);
+                if origin.attempts > 0 {
+                    // An event that failed before and is now routed nowhere (an operator's fix
+                    // for a poison type): its aggregate's hold ends here.
+                    plan.result.unblocked.push((
+                        row.aggregate_type.clone(),
+                        row.aggregate_id.clone(),
+                        row.aggregate_seq,
+                    ));
+                }
                 continue;
             }
             Ok(Some(idx)) => idx,
             Err(e) => {
-                let err = PublishError::event("UNROUTABLE", e);
-                plan.result.failed.push(failure(
+                plan.fail(
                     settings,
-                    &mut rand::rng(),
                     &origin,
                     aggregate,
-                    &err,
-                ));
+                    &PublishError::event("UNROUTABLE", e),
+                );
                 aggregates.insert(key, None);
                 continue;
             }
@@ -729,13 +760,7 @@ fn plan(
                     settings.max_payload_bytes
                 ),
             );
-            plan.result.failed.push(failure(
-                settings,
-                &mut rand::rng(),
-                &origin,
-                aggregate,
-                &err,
-            ));
+            plan.fail(settings, &origin, aggregate, &err);
             aggregates.insert(key, None);
             continue;
         }
@@ -757,13 +782,7 @@ fn plan(
             Err(failed) => {
                 let (e, m) = *failed;
                 let aggregate = (m.aggregate_type.as_str(), m.aggregate_id.as_str());
-                plan.result.failed.push(failure(
-                    settings,
-                    &mut rand::rng(),
-                    &origin,
-                    aggregate,
-                    &e,
-                ));
+                plan.fail(settings, &origin, aggregate, &e);
                 aggregates.insert(key, None);
                 continue;
             }

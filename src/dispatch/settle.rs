@@ -182,7 +182,12 @@ pub(super) fn failure(
         aggregate_id: aggregate_id.to_owned(),
         aggregate_seq: origin.seq,
         code: error.code().to_owned(),
-        error: error.to_string(),
+        // `last_error` starts with the code, for operators and the status output.
+        error: if error.to_string().starts_with(error.code()) {
+            error.to_string()
+        } else {
+            format!("{} {error}", error.code())
+        },
         retry_in_ms: i64::try_from(delay.as_millis()).unwrap_or(i64::MAX),
     }
 }

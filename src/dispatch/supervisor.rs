@@ -888,8 +888,9 @@ impl NodeSupervisor {
         let wants = self.nudge_flag.wanted;
         self.nudge_flag.writing = true;
         let (store, node) = (self.store.clone(), self.settings.node_id.clone());
+        let ttl_ms = ms(self.settings.lease);
         ctx.spawn(
-            async move { store.set_wants_nudge(&node, wants).await }
+            async move { store.set_wants_nudge(&node, wants, ttl_ms).await }
                 .into_actor(self)
                 .map(move |res, act, ctx| {
                     act.nudge_flag.writing = false;

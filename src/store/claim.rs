@@ -42,6 +42,9 @@ pub struct ClaimedEvent {
     pub destination: Option<String>,
     /// Attempts made so far (non-zero for a retry).
     pub attempts: i32,
+    /// Why a column the producer wrote could not be read (the row is then a failed event of its
+    /// own aggregate, never a failed claim); the fields it concerns hold placeholders.
+    pub undecodable: Option<String>,
 }
 
 /// The lease under which results are recorded.
@@ -375,27 +378,72 @@ impl Store {
 }
 
 /// The columns of a claimed row, in the order [`claimed_event`] reads them (the row is `w`).
+/// A time outside the years 1 to 9999 (a row written before the rule refused it) comes as
+/// NULL: it cannot be decoded, nor written into a stream entry.
 const CLAIM_COLUMNS: &str = "w.id, w.event_id, w.aggregate_type, w.aggregate_id, \
-     w.aggregate_seq, w.event_type, w.schema_version, w.occurred_at, w.recorded_at, \
-     w.payload::text, w.headers::text, w.destination, w.attempts, w.partition";
+     w.aggregate_seq, w.event_type, w.schema_version, \
+     CASE WHEN w.occurred_at BETWEEN '0001-01-01 00:00:00+00' \
+                                 AND '9999-12-31 23:59:59.999999+00' THEN w.occurred_at END, \
+     w.recorded_at, w.payload::text, w.headers::text, w.destination, w.attempts, w.partition";
 
+/// Decodes one claimed row. The columns the database fills in must decode (a failure is a
+/// broken database); a column the producer wrote that does not is noted in
+/// [`ClaimedEvent::undecodable`], so one bad row never fails the claim of its neighbours.
 fn claimed_event(r: &sea_orm::QueryResult) -> Result<ClaimedEvent, StoreError> {
     let g = StoreError::from_db;
+    let mut problems: Vec<String> = Vec::new();
+    let mut lenient = |at: usize, column: &str| -> Option<String> {
+        match r.try_get_by_index::<String>(at) {
+            Ok(v) => Some(v),
+            Err(e) => {
+                problems.push(format!("{column}: {e}"));
+                None
+            }
+        }
+    };
+    let event_type = lenient(5, "event_type").unwrap_or_default();
+    let schema_version = lenient(6, "schema_version").unwrap_or_default();
+    let payload = lenient(9, "payload").unwrap_or_else(|| "null".to_owned());
+    let headers = lenient(10, "headers").unwrap_or_else(|| "{}".to_owned());
+    let occurred_at: Option<chrono::DateTime<chrono::FixedOffset>> =
+        r.try_get_by_index(7).map_err(g)?;
+    if occurred_at.is_none() {
+        problems.push(
+            "occurred_at is not a time between the years 1 and 9999 (infinity, or a far date)"
+                .to_owned(),
+        );
+    }
+    let event_id = match r.try_get_by_index::<uuid::Uuid>(1) {
+        Ok(id) => id,
+        Err(e) => {
+            problems.push(format!("event_id: {e}"));
+            uuid::Uuid::nil()
+        }
+    };
+    let destination = match r.try_get_by_index::<Option<String>>(11) {
+        Ok(d) => d,
+        Err(e) => {
+            problems.push(format!("destination: {e}"));
+            None
+        }
+    };
+    let recorded_at: chrono::DateTime<chrono::FixedOffset> = r.try_get_by_index(8).map_err(g)?;
     Ok(ClaimedEvent {
         id: r.try_get_by_index(0).map_err(g)?,
-        event_id: r.try_get_by_index(1).map_err(g)?,
+        event_id,
         aggregate_type: r.try_get_by_index(2).map_err(g)?,
         aggregate_id: r.try_get_by_index(3).map_err(g)?,
         aggregate_seq: r.try_get_by_index(4).map_err(g)?,
-        event_type: r.try_get_by_index(5).map_err(g)?,
-        schema_version: r.try_get_by_index(6).map_err(g)?,
-        occurred_at: r.try_get_by_index(7).map_err(g)?,
-        recorded_at: r.try_get_by_index(8).map_err(g)?,
-        payload: r.try_get_by_index(9).map_err(g)?,
-        headers: r.try_get_by_index(10).map_err(g)?,
-        destination: r.try_get_by_index(11).map_err(g)?,
+        event_type,
+        schema_version,
+        occurred_at: occurred_at.unwrap_or(recorded_at),
+        recorded_at,
+        payload,
+        headers,
+        destination,
         attempts: r.try_get_by_index(12).map_err(g)?,
         partition: r.try_get_by_index(13).map_err(g)?,
+        undecodable: (!problems.is_empty()).then(|| problems.join("; ")),
     })
 }
 
@@ -452,24 +500,26 @@ fn move_published(ids: &str, sids: &str, and: &str) -> String {
     )
 }
 
+/// Ends the holds of aggregates whose failing event (`(type, id, seq)`) was published or routed
+/// nowhere: an aggregate held at that very sequence is released, and only its held rows become
+/// pending again. An aggregate held at another sequence (an earlier event still failing, after
+/// a Redis-loss recovery sent published rows back) keeps its hold and its held rows.
 async fn release_holds<C: ConnectionTrait>(
     txn: &C,
     unblocked: &[(String, String, i64)],
 ) -> Result<(), StoreError> {
     let (types, ids, seqs) = split3(unblocked);
     txn.execute_raw(stmt(
-        "UPDATE outpost_aggregate a SET blocked_seq = NULL \
-         FROM unnest($1::text[], $2::text[], $3::int8[]) AS v(t, i, s) \
-         WHERE a.aggregate_type = v.t AND a.aggregate_id = v.i AND a.blocked_seq = v.s",
-        [types.clone(), ids.clone(), seqs],
-    ))
-    .await
-    .map_err(StoreError::from_db)?;
-    txn.execute_raw(stmt(
-        "UPDATE outpost_event e SET status = 'pending', next_attempt_at = now() \
-         FROM unnest($1::text[], $2::text[]) AS v(t, i) \
-         WHERE e.aggregate_type = v.t AND e.aggregate_id = v.i AND e.status = 'held'",
-        [types, ids],
+        "WITH released AS ( \
+           UPDATE outpost_aggregate a SET blocked_seq = NULL \
+           FROM unnest($1::text[], $2::text[], $3::int8[]) AS v(t, i, s) \
+           WHERE a.aggregate_type = v.t AND a.aggregate_id = v.i AND a.blocked_seq = v.s \
+           RETURNING a.aggregate_type, a.aggregate_id) \
+         UPDATE outpost_event e SET status = 'pending', next_attempt_at = now() \
+         FROM released r \
+         WHERE e.aggregate_type = r.aggregate_type AND e.aggregate_id = r.aggregate_id \
+           AND e.status = 'held'",
+        [types, ids, seqs],
     ))
     .await
     .map_err(StoreError::from_db)?;
@@ -493,8 +543,11 @@ async fn record_failures<C: ConnectionTrait>(
         .collect();
     let (types, ids, seqs) = split3(&triples);
     // Lock the aggregates first: producers writing to them wait, and see the hold when they go on.
+    // An aggregate already held at an earlier sequence stays held there: the earliest failing
+    // event is the one its successors wait for.
     txn.execute_raw(stmt(
-        "UPDATE outpost_aggregate a SET blocked_seq = v.s \
+        "UPDATE outpost_aggregate a \
+         SET blocked_seq = LEAST(coalesce(a.blocked_seq, v.s), v.s) \
          FROM unnest($1::text[], $2::text[], $3::int8[]) AS v(t, i, s) \
          WHERE a.aggregate_type = v.t AND a.aggregate_id = v.i",
         [types.clone(), ids.clone(), seqs.clone()],
@@ -533,8 +586,9 @@ async fn record_failures<C: ConnectionTrait>(
     txn.execute_raw(stmt(
         "UPDATE outpost_event e SET status = 'held' \
          FROM unnest($1::text[], $2::text[], $3::int8[]) AS v(t, i, s) \
-         WHERE e.aggregate_type = v.t AND e.aggregate_id = v.i AND e.aggregate_seq > v.s \
-           AND e.status = 'pending'",
+         JOIN outpost_aggregate a ON a.aggregate_type = v.t AND a.aggregate_id = v.i \
+         WHERE e.aggregate_type = v.t AND e.aggregate_id = v.i \
+           AND e.aggregate_seq > a.blocked_seq AND e.status = 'pending'",
         [types, ids, seqs],
     ))
     .await

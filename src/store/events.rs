@@ -160,7 +160,8 @@ a AS ( \
     ON CONFLICT (aggregate_type, aggregate_id) \
         DO UPDATE SET last_seq = a.last_seq + EXCLUDED.last_seq \
     RETURNING aggregate_type, aggregate_id, last_seq, partition, blocked_seq, \
-              CASE WHEN EXISTS (SELECT FROM outpost_node WHERE wants_nudge) \
+              CASE WHEN EXISTS (SELECT FROM outpost_node \
+                                WHERE wants_nudge AND nudge_until > now()) \
                         AND coalesce(lower(current_setting('outpost.nudge', true)), '') \
                             NOT IN ('off', 'false', 'no', '0') \
                    THEN pg_notify('outpost_wakeup', partition::text)::text END AS nudged \
@@ -173,10 +174,12 @@ SELECT nextval('outpost_event_id_seq'), e.event_id, e.aggregate_type, e.aggregat
        e.schema_version, e.occurred_at, e.payload, e.headers, e.destination, a.partition, \
        txid_current(), CASE WHEN a.blocked_seq IS NULL THEN 'pending' ELSE 'held' END \
   FROM e JOIN a USING (aggregate_type, aggregate_id) \
- WHERE outpost_event_row_ok(e.aggregate_type, e.aggregate_id, e.event_type, e.schema_version, \
-                            e.payload, e.headers, e.destination) \
-    OR outpost_event_check_rules(e.aggregate_type, e.aggregate_id, e.event_type, \
-                                 e.schema_version, e.payload, e.headers, e.destination) \
+ WHERE (outpost_event_row_ok(e.aggregate_type, e.aggregate_id, e.event_type, \
+                             e.schema_version, e.payload, e.headers, e.destination) \
+        OR outpost_event_check_rules(e.aggregate_type, e.aggregate_id, e.event_type, \
+                                     e.schema_version, e.payload, e.headers, e.destination)) \
+   AND (e.occurred_at BETWEEN '0001-01-01 00:00:00+00' AND '9999-12-31 23:59:59.999999+00' \
+        OR outpost_event_check_time(e.occurred_at)) \
 WINDOW w AS (PARTITION BY e.aggregate_type, e.aggregate_id ORDER BY e.ord \
              ROWS BETWEEN UNBOUNDED PRECEDING AND UNBOUNDED FOLLOWING) \
  ORDER BY e.ord \

@@ -58,8 +58,9 @@ fn leases(rows: Vec<sea_orm::QueryResult>) -> Result<Vec<Lease>, StoreError> {
 /// renewed partition has rows ready to publish).
 fn tick_sql(ready: &str) -> String {
     format!(
-        "WITH hb AS (UPDATE outpost_node SET heartbeat_at = now() WHERE node_id = $1 \
-                     RETURNING node_id), \
+        "WITH hb AS (UPDATE outpost_node SET heartbeat_at = now(), \
+                       nudge_until = now() + $3 * interval '1 millisecond' \
+                     WHERE node_id = $1 RETURNING node_id), \
               renewed AS (UPDATE outpost_partition \
                           SET lease_until = now() + $2 * interval '1 millisecond' \
                           WHERE owner = $1 RETURNING partition, epoch, paused) \

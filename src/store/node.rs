@@ -39,12 +39,23 @@ impl Store {
     }
 
     /// Asks producers to NOTIFY on insert (`true`, the node is idle) or stops asking (`false`,
-    /// the node polls because it is busy).
-    pub async fn set_wants_nudge(&self, node_id: &str, wants: bool) -> Result<(), StoreError> {
+    /// the node polls because it is busy). The request lasts `ttl_ms` unless a heartbeat
+    /// ([`Store::lease_tick`]) extends it: a node that died asking is not nudged for ever.
+    pub async fn set_wants_nudge(
+        &self,
+        node_id: &str,
+        wants: bool,
+        ttl_ms: u64,
+    ) -> Result<(), StoreError> {
         self.connection()
             .execute_raw(stmt(
-                "UPDATE outpost_node SET wants_nudge = $2, heartbeat_at = now() WHERE node_id = $1",
-                [node_id.into(), wants.into()],
+                "UPDATE outpost_node SET wants_nudge = $2, heartbeat_at = now(), \
+                   nudge_until = now() + $3 * interval '1 millisecond' WHERE node_id = $1",
+                [
+                    node_id.into(),
+                    wants.into(),
+                    i64::try_from(ttl_ms).unwrap_or(i64::MAX).into(),
+                ],
             ))
             .await
             .map_err(StoreError::from_db)?;
