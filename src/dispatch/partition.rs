@@ -32,18 +32,21 @@ pub struct Wake(pub u64);
 #[rtype(result = "()")]
 pub struct Stop;
 
-/// What a partition actor tells the node supervisor.
+/// What a partition actor tells the node supervisor. Every report names the epoch of the lease
+/// the actor worked under: a report of an actor of an earlier lease of the partition (one that
+/// was lost and taken again meanwhile) is about a slot that no longer exists, and is ignored.
 #[derive(Debug, Clone, Message)]
 #[rtype(result = "()")]
 pub enum PartitionReport {
-    /// Drained: nothing ready right now, and no batch runs until the next wake-up. With the
-    /// number of the last [`Wake`] received: a report crossing a later wake-up is stale (the
-    /// actor has started another batch meanwhile).
-    Idle(i32, u64),
+    /// Drained: nothing ready right now, and no batch runs until the next wake-up. `(partition,
+    /// epoch, number of the last [`Wake`] received)`: a report crossing a later wake-up is stale
+    /// (the actor has started another batch meanwhile).
+    Idle(i32, i64, u64),
     /// Stopped at the supervisor's request; its batch is finished or abandoned.
-    Stopped(i32),
-    /// The lease is gone; the actor has stopped working.
-    LeaseLost(i32, String),
+    /// `(partition, epoch)`.
+    Stopped(i32, i64),
+    /// The lease is gone; the actor has stopped working. `(partition, epoch, why)`.
+    LeaseLost(i32, i64, String),
     /// Redis refused our epoch: `(partition, our epoch, the epoch Redis holds)`. The actor has
     /// stopped working; the supervisor decides between a takeover and a database that lost
     /// history.
@@ -169,13 +172,14 @@ impl PartitionActor {
                     self.next_batch(ctx);
                 } else {
                     self.report
-                        .do_send(PartitionReport::Idle(p, self.last_wake));
+                        .do_send(PartitionReport::Idle(p, self.lease.epoch, self.last_wake));
                 }
             }
             Ok(Err(BatchError::LeaseLost(why))) => {
                 tracing::warn!(partition = p, %why, "lease lost; stopping work on the partition");
                 self.retired = true;
-                self.report.do_send(PartitionReport::LeaseLost(p, why));
+                self.report
+                    .do_send(PartitionReport::LeaseLost(p, self.lease.epoch, why));
             }
             Ok(Err(BatchError::Fenced { current })) => {
                 self.retired = true;
@@ -207,8 +211,10 @@ impl PartitionActor {
     fn finish(&mut self) {
         if !self.retired {
             self.retired = true;
-            self.report
-                .do_send(PartitionReport::Stopped(self.lease.partition));
+            self.report.do_send(PartitionReport::Stopped(
+                self.lease.partition,
+                self.lease.epoch,
+            ));
         }
     }
 }

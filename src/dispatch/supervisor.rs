@@ -1083,8 +1083,20 @@ impl Handler<PartitionReport> for NodeSupervisor {
     type Result = ();
 
     fn handle(&mut self, report: PartitionReport, ctx: &mut Context<Self>) {
+        let (p, epoch) = match &report {
+            PartitionReport::Idle(p, epoch, _)
+            | PartitionReport::Stopped(p, epoch)
+            | PartitionReport::LeaseLost(p, epoch, _)
+            | PartitionReport::Fenced(p, epoch, _) => (*p, *epoch),
+        };
+        if self.slots.get(&p).is_some_and(|s| s.lease.epoch != epoch) {
+            // From the actor of an earlier lease of a partition taken again since: that actor
+            // has stopped, and its report says nothing of the slot that holds the new lease.
+            tracing::debug!(partition = p, epoch, "report of an earlier lease ignored");
+            return;
+        }
         match report {
-            PartitionReport::Idle(p, wake) => {
+            PartitionReport::Idle(p, _, wake) => {
                 if let Some(slot) = self.slots.get_mut(&p)
                     && slot.state == SlotState::Busy
                     && slot.woken == wake
@@ -1092,12 +1104,12 @@ impl Handler<PartitionReport> for NodeSupervisor {
                     slot.state = SlotState::Idle;
                 }
             }
-            PartitionReport::LeaseLost(p, _) => {
+            PartitionReport::LeaseLost(p, _, _) => {
                 self.slots.remove(&p);
                 self.slots_changed(ctx);
             }
             PartitionReport::Fenced(p, ours, seen) => self.on_fenced(p, ours, seen, ctx),
-            PartitionReport::Stopped(p) => {
+            PartitionReport::Stopped(p, _) => {
                 if let Some(slot) = self.slots.get_mut(&p) {
                     slot.addr = None;
                     match slot.state {
