@@ -15,7 +15,9 @@
 //!   commits/s here, and failing `PREPARE TRANSACTION` for two-phase-commit producers). The
 //!   request now lasts only as long as the node's heartbeat: `nudge_until` is moved forward by
 //!   each heartbeat (by `node.ttl`), and the trigger and the producer API's statement for many
-//!   events nudge only for a node whose `nudge_until` is ahead.
+//!   events nudge only for a node whose `nudge_until` is ahead. Nodes registered when the
+//!   migration runs get an hour after their last heartbeat, so nodes of the version before,
+//!   which do not move `nudge_until`, keep being nudged while they are replaced.
 //! - **A time no stream entry can carry stopped a group of partitions.** `occurred_at =
 //!   'infinity'` (what some drivers send for a "maximum" date) or a year past 9999 passed every
 //!   rule and then failed to decode in the relay's claim. The rules now refuse a time outside
@@ -33,6 +35,9 @@ sql_migration!();
 
 const UP: &str = r#"
 ALTER TABLE outpost_node ADD COLUMN nudge_until timestamptz NOT NULL DEFAULT '-infinity';
+-- Nodes of the version before keep asking without moving nudge_until: their requests are good
+-- for an hour after their last heartbeat, time enough to replace them with this version.
+UPDATE outpost_node SET nudge_until = heartbeat_at + interval '1 hour';
 
 -- Raises the error of the time rule for a time outside the years 1 to 9999 (true otherwise).
 CREATE FUNCTION outpost_event_check_time(p_occurred_at timestamptz) RETURNS boolean
