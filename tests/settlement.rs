@@ -5,71 +5,10 @@
 
 mod support;
 
-use std::sync::Arc;
-use std::time::{Duration, Instant};
-
-use outpost::dispatch::batch::{Claim, LeaseDeadline, RelaySettings, Shared, Worker};
-use outpost::dispatch::ratelimit::RateLimits;
-use outpost::dispatch::route::Router;
-use outpost::dispatch::streams::StreamBook;
+use outpost::dispatch::batch::Claim;
 use outpost::produce::EventFact;
-use outpost::publish::{Publisher, RedisSettings, Topology};
 use outpost::store::LeaseRef;
-use support::{TestDb, TestRedis, commit_facts, redis_url, relay_config, scalar};
-
-/// A worker over the test's database and Redis prefix, as a node builds one.
-async fn worker(db: &TestDb, redis: &TestRedis) -> Worker {
-    let config = relay_config(db, redis, "n1");
-    let publisher = Publisher::connect(&RedisSettings {
-        url: redis_url(),
-        key_prefix: redis.prefix.clone(),
-        connect_timeout: Duration::from_secs(2),
-        response_timeout: Duration::from_secs(5),
-        topology: Topology::Single,
-    })
-    .await
-    .expect("publisher");
-    let shared = Shared {
-        router: Router::new(&config.routing),
-        limits: RateLimits::new(&config.rate_limit),
-        settings: RelaySettings {
-            batch_rows: 100,
-            batch_bytes: 1 << 20,
-            max_attempts: 5,
-            backoff_base: Duration::from_millis(10),
-            backoff_max: Duration::from_millis(100),
-            delete_published: false,
-            max_payload_bytes: 1 << 18,
-        },
-        deadline: LeaseDeadline::new(),
-        streams: StreamBook::default(),
-    };
-    shared
-        .deadline
-        .extend_to(Instant::now() + Duration::from_secs(60));
-    Worker {
-        store: db.store.clone(),
-        publisher,
-        slots: Arc::new(tokio::sync::Semaphore::new(4)),
-        queue: Arc::default(),
-        shared: Arc::new(shared),
-    }
-}
-
-/// An aggregate id of type `order` in `partition`.
-async fn aggregate_in(db: &TestDb, partition: i32, skip: i64) -> String {
-    let n = scalar(
-        db,
-        &format!(
-            "SELECT g::int8 FROM generate_series(1, 100000) g \
-             WHERE outpost_partition_of('order', 'o' || g, \
-                                        (SELECT partition_count FROM outpost_meta)) = {partition} \
-             ORDER BY g OFFSET {skip} LIMIT 1"
-        ),
-    )
-    .await;
-    format!("o{n}")
-}
+use support::{TestDb, TestRedis, aggregate_in, commit_facts, scalar, worker};
 
 fn fact(aggregate: &str, destination: &str) -> EventFact {
     EventFact::new(
@@ -85,7 +24,7 @@ fn fact(aggregate: &str, destination: &str) -> EventFact {
 async fn a_partition_fenced_on_its_first_stream_leaves_the_next_partitions_replies_alone() {
     let db = TestDb::new().await;
     let redis = TestRedis::new();
-    let worker = worker(&db, &redis).await;
+    let worker = worker(&db, &redis, 5).await;
     let (p1, p2) = (3, 7);
     // Partition p1 writes two streams (a, then b); partition p2 one (c), which holds a key of
     // the wrong type, so its call fails for its first entry.

@@ -689,3 +689,64 @@ pub async fn http_get(addr: &str, path: &str) -> (u16, String) {
         .unwrap_or(0);
     (code, text)
 }
+
+/// A relay worker over the test's database and Redis prefix, as a node builds one, with a
+/// publishing deadline a minute ahead and `max_attempts` attempts before quarantine: for tests
+/// that run batches themselves.
+pub async fn worker(
+    db: &TestDb,
+    redis: &TestRedis,
+    max_attempts: u32,
+) -> outpost::dispatch::batch::Worker {
+    use outpost::dispatch::batch::{LeaseDeadline, RelaySettings, Shared, Worker};
+    let config = relay_config(db, redis, "n1");
+    let publisher = outpost::publish::Publisher::connect(&outpost::publish::RedisSettings {
+        url: redis_url(),
+        key_prefix: redis.prefix.clone(),
+        connect_timeout: Duration::from_secs(2),
+        response_timeout: Duration::from_secs(5),
+        topology: outpost::publish::Topology::Single,
+    })
+    .await
+    .expect("publisher");
+    let shared = Shared {
+        router: outpost::dispatch::route::Router::new(&config.routing),
+        limits: outpost::dispatch::ratelimit::RateLimits::new(&config.rate_limit),
+        settings: RelaySettings {
+            batch_rows: 100,
+            batch_bytes: 1 << 20,
+            max_attempts,
+            backoff_base: Duration::from_millis(5),
+            backoff_max: Duration::from_millis(40),
+            delete_published: false,
+            max_payload_bytes: 1 << 18,
+        },
+        deadline: LeaseDeadline::new(),
+        streams: outpost::dispatch::streams::StreamBook::default(),
+    };
+    shared
+        .deadline
+        .extend_to(std::time::Instant::now() + Duration::from_secs(3600));
+    Worker {
+        store: db.store.clone(),
+        publisher,
+        slots: std::sync::Arc::new(tokio::sync::Semaphore::new(4)),
+        queue: std::sync::Arc::default(),
+        shared: std::sync::Arc::new(shared),
+    }
+}
+
+/// The `skip`th aggregate id of type `order` (`o1`, `o2`, …) that falls in `partition`.
+pub async fn aggregate_in(db: &TestDb, partition: i32, skip: i64) -> String {
+    let n = scalar(
+        db,
+        &format!(
+            "SELECT g::int8 FROM generate_series(1, 100000) g \
+             WHERE outpost_partition_of('order', 'o' || g, \
+                                        (SELECT partition_count FROM outpost_meta)) = {partition} \
+             ORDER BY g OFFSET {skip} LIMIT 1"
+        ),
+    )
+    .await;
+    format!("o{n}")
+}
