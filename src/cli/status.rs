@@ -3,7 +3,7 @@
 use clap::Args;
 
 use crate::config::Config;
-use crate::store;
+use crate::store::{self, PUBLISHED_COUNTED_UP_TO};
 
 /// Options of `outpost status`.
 #[derive(Debug, Args)]
@@ -45,7 +45,12 @@ pub(super) async fn run(config: &Config, args: StatusArgs) -> anyhow::Result<()>
         writeln!(out, "  (none)")?;
     }
     for s in &backlog.by_status {
-        writeln!(out, "  {:<15} {:>12}", s.status, s.rows)?;
+        let about = if s.status == "published" && s.rows >= PUBLISHED_COUNTED_UP_TO {
+            "  (estimated)"
+        } else {
+            ""
+        };
+        writeln!(out, "  {:<15} {:>12}{about}", s.status, s.rows)?;
     }
     match backlog.oldest_pending_age_secs {
         Some(age) => writeln!(out, "oldest pending: {age:.3} s")?,

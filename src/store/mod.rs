@@ -34,7 +34,10 @@ pub use listen::{Nudge, NudgeListener, WAKEUP_CHANNEL};
 pub use migrate::{MigrationState, migrate_down, migrate_status, migrate_up};
 pub use node::NodeInfo;
 pub use retention::{Expiry, JANITOR_LOCK, Recovery, RedisRecord, StorageFigures, StreamRecord};
-pub use status::{Backlog, BacklogFigures, NodeStatus, PartitionBacklog, StatusCount, backlog};
+pub use status::{
+    Backlog, BacklogFigures, NodeStatus, PUBLISHED_COUNTED_UP_TO, PartitionBacklog, StatusCount,
+    backlog,
+};
 
 /// How a pool is opened: the URL and the knobs an operator may tune.
 #[derive(Debug, Clone)]
