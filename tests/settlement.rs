@@ -8,6 +8,7 @@ mod support;
 use outpost::dispatch::batch::Claim;
 use outpost::produce::EventFact;
 use outpost::store::LeaseRef;
+use sea_orm::ConnectionTrait;
 use support::{TestDb, TestRedis, aggregate_in, commit_facts, scalar, worker};
 
 fn fact(aggregate: &str, destination: &str) -> EventFact {
@@ -107,4 +108,111 @@ async fn a_partition_fenced_on_its_first_stream_leaves_the_next_partitions_repli
     )
     .await;
     assert_eq!(p1_rows, 2);
+}
+
+/// A node that lost a partition and still runs is refused on a stream the new owner has not
+/// written since it took the partition: the new owner raises the fences of the streams it knows
+/// when it takes a partition, before it publishes anything (a missing or older fence field let
+/// the old owner's late append through).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stream_the_new_owner_has_not_written_yet_refuses_the_old_owner() {
+    let db = TestDb::new().await;
+    let redis = TestRedis::new();
+    let p = 9;
+    let x = aggregate_in(&db, p, 0).await;
+    // A first node writes the stream, so it is known (recorded in outpost_stream), then leaves.
+    let node = support::start_node(support::relay_config(&db, &redis, "a")).await;
+    commit_facts(&db.store, vec![fact(&x, "s")]).await;
+    support::wait_until(
+        30,
+        "the first event published and its stream recorded",
+        || async {
+            scalar(&db, "SELECT count(*) FROM outpost_published").await == 1
+                && scalar(&db, "SELECT count(*) FROM outpost_stream").await == 1
+        },
+    )
+    .await;
+    node.shutdown().await;
+    // The old owner takes the partition and claims nothing yet; then its lease runs out while
+    // it is frozen, and the partition is paused, so the new owner publishes nothing there.
+    let old = db
+        .store
+        .acquire_partitions("old", 60_000, &[], 64)
+        .await
+        .unwrap();
+    let old_epoch = old.iter().find(|l| l.partition == p).unwrap().epoch;
+    commit_facts(&db.store, vec![fact(&x, "s")]).await;
+    db.store
+        .set_paused(&[p], true, "test", "operator")
+        .await
+        .unwrap();
+    db.store
+        .connection()
+        .execute_unprepared(
+            "UPDATE outpost_partition SET lease_until = now() - interval '1 second' \
+             WHERE owner = 'old'",
+        )
+        .await
+        .unwrap();
+    let node = support::start_node(support::relay_config(&db, &redis, "b")).await;
+    support::wait_until(30, "the new owner to hold the partition", || async {
+        scalar(
+            &db,
+            &format!(
+                "SELECT count(*) FROM outpost_partition WHERE partition = {p} AND owner = 'b'"
+            ),
+        )
+        .await
+            == 1
+    })
+    .await;
+    let new_epoch = scalar(
+        &db,
+        &format!("SELECT epoch FROM outpost_partition WHERE partition = {p}"),
+    )
+    .await;
+    assert!(new_epoch > old_epoch);
+    let zombie = worker(&db, &redis, 5).await;
+    let fence = zombie
+        .publisher
+        .fence_key(&zombie.publisher.stream_key("s"))
+        .unwrap();
+    let client = redis.client.clone();
+    support::wait_until(30, "the new owner to raise the stream's fence", || {
+        let (fence, client) = (fence.clone(), client.clone());
+        async move {
+            let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+            let at: Option<i64> = redis::cmd("HGET")
+                .arg(&fence)
+                .arg(p.to_string())
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            at == Some(new_epoch)
+        }
+    })
+    .await;
+    let mut conn = redis.conn().await;
+    let lease = LeaseRef {
+        partition: p,
+        node_id: "old".to_owned(),
+        epoch: old_epoch,
+    };
+    let outcome = zombie
+        .run_together(&[lease], Claim::PerPartition, |_| {})
+        .await;
+    node.shutdown().await;
+    assert!(
+        matches!(
+            outcome[0],
+            Err(outpost::dispatch::batch::BatchError::Fenced { current }) if current == new_epoch
+        ),
+        "{outcome:?}"
+    );
+    let len: i64 = redis::cmd("XLEN")
+        .arg(zombie.publisher.stream_key("s"))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(len, 1, "the old owner appended nothing");
 }

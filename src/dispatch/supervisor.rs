@@ -465,13 +465,16 @@ impl NodeSupervisor {
                 self.settings.node_id.clone(),
                 ms(self.settings.lease),
             );
+            let (publisher, shared) = (self.publisher.clone(), self.shared.clone());
             // No tick may start before the new leases are in `slots`: it would take them for lost.
             self.ticking = true;
             ctx.spawn(
                 async move {
-                    store
+                    let leases = store
                         .acquire_partitions(&node, lease_ms, &holding, want)
-                        .await
+                        .await?;
+                    fence_known_streams(&publisher, &shared, &leases).await;
+                    Ok::<_, crate::store::StoreError>(leases)
                 }
                 .into_actor(self)
                 .map(|res, act, ctx| match res {
@@ -1220,6 +1223,28 @@ impl Handler<OwnedPartitions> for NodeSupervisor {
                 })
                 .collect(),
         )
+    }
+}
+
+/// Raises the fences of every stream the node knows to the epochs of partitions it has just
+/// taken, before their actors publish anything. A node that lost these partitions and still
+/// runs is then refused on those streams at once; otherwise a stream the new owner had not
+/// written yet would still hold the old epoch (or none for the partition) and take the old
+/// owner's late appends. A stream nobody wrote before has nothing such an append could come
+/// after. When Redis cannot be reached the leases are taken all the same: the first append of
+/// each partition to each stream raises its fence.
+async fn fence_known_streams(publisher: &Publisher, shared: &Shared, leases: &[Lease]) {
+    if leases.is_empty() {
+        return;
+    }
+    let streams = shared.streams.known();
+    let epochs: Vec<(i32, i64)> = leases.iter().map(|l| (l.partition, l.epoch)).collect();
+    if let Err(e) = publisher.raise_fences(&streams, &epochs).await {
+        tracing::warn!(
+            error = %e,
+            streams = streams.len(),
+            "raising the fences of newly taken partitions failed; their first appends raise them"
+        );
     }
 }
 
