@@ -514,6 +514,7 @@ async fn release_holds<C: ConnectionTrait>(
     unblocked: &[(String, String, i64)],
 ) -> Result<(), StoreError> {
     let (types, ids, seqs) = split3(unblocked);
+    lock_aggregates(txn, &types, &ids).await?;
     txn.execute_raw(stmt(
         "WITH released AS ( \
            UPDATE outpost_aggregate a SET blocked_seq = NULL \
@@ -547,6 +548,7 @@ async fn record_failures<C: ConnectionTrait>(
         })
         .collect();
     let (types, ids, seqs) = split3(&triples);
+    lock_aggregates(txn, &types, &ids).await?;
     // Lock the aggregates first: producers writing to them wait, and see the hold when they go on.
     // An aggregate already held at an earlier sequence stays held there: the earliest failing
     // event is the one its successors wait for.
@@ -599,6 +601,28 @@ async fn record_failures<C: ConnectionTrait>(
     .await
     .map_err(StoreError::from_db)?;
     Ok(recorded)
+}
+
+/// Locks the rows of the aggregates `(types[k], ids[k])` in key order, the order in which the
+/// producer API's statement for many events takes them: a transaction of the relay's and a
+/// producer's that both hold one of the aggregates and want another then wait for each other
+/// in one direction, never in a cycle (the relay's own updates below would take them in the
+/// order of a join).
+async fn lock_aggregates<C: ConnectionTrait>(
+    txn: &C,
+    types: &Value,
+    ids: &Value,
+) -> Result<(), StoreError> {
+    txn.execute_raw(stmt(
+        "SELECT 1 FROM outpost_aggregate a \
+         JOIN unnest($1::text[], $2::text[]) AS v(t, i) \
+           ON a.aggregate_type = v.t AND a.aggregate_id = v.i \
+         ORDER BY a.aggregate_type, a.aggregate_id FOR UPDATE OF a",
+        [types.clone(), ids.clone()],
+    ))
+    .await
+    .map_err(StoreError::from_db)?;
+    Ok(())
 }
 
 fn split3(items: &[(String, String, i64)]) -> (Value, Value, Value) {
