@@ -51,7 +51,7 @@ async fn a_mark_never_waits_for_a_renewal_a_release_or_a_pause() {
     // A mark of several partitions goes through at once and keeps every lease.
     let marked = tokio::time::timeout(
         Duration::from_secs(30),
-        db.store.mark_published_many("a", &leases, &[], false),
+        db.store.mark_published_many("a", &leases, &[], &[], false),
     )
     .await
     .expect("a mark must not wait for lease renewals, pauses or releases")
@@ -83,7 +83,7 @@ async fn a_takeover_waits_for_a_mark_in_flight_and_the_mark_then_sees_its_lease_
     let store = db.store.clone();
     let mark = tokio::spawn(async move {
         store
-            .mark_published_many("a", &[(0, 1), (1, 1)], &[], false)
+            .mark_published_many("a", &[(0, 1), (1, 1)], &[], &[], false)
             .await
     });
     wait_until(30, "the mark to wait on the lease row lock", || async {

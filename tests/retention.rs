@@ -12,7 +12,7 @@ use outpost::config::RetentionConfig;
 use outpost::dispatch::housekeeping;
 use outpost::produce::{EventFact, Producer};
 use outpost::publish::{Publisher, RedisSettings, TrimRule};
-use outpost::store::{Expiry, JANITOR_LOCK};
+use outpost::store::{Expiry, JANITOR_LOCK, LostStream};
 use sea_orm::{ConnectionTrait, DbBackend, Statement, TransactionTrait};
 use serde_json::json;
 use support::{TestDb, TestRedis, scalar, wait_until};
@@ -451,10 +451,36 @@ async fn the_published_history_migration_reverts_and_reapplies_with_every_row() 
     );
 }
 
-/// After a Redis data loss the retained window moves back into the outbox, every event with its
-/// id, event id and sequence; an event whose id a producer wrote again after it was published
-/// (the outbox then holds an event under that id) stays in the history instead of failing the
-/// move, and the recovery completes.
+/// Records the position `(ms, 0)` of stream `s` for every partition that has rows in the history,
+/// and gives each history row the entry id `<ms>-<id>` of its publishing.
+async fn positions_at(db: &TestDb, ms: i64) -> Vec<i32> {
+    db.store
+        .connection()
+        .execute_unprepared(&format!(
+            "INSERT INTO outpost_stream_position (partition, stream, last_ms, last_seq) \
+             SELECT DISTINCT partition, 's', {ms}, 0 FROM outpost_published"
+        ))
+        .await
+        .unwrap();
+    let parts = db
+        .store
+        .connection()
+        .query_all_raw(Statement::from_string(
+            DbBackend::Postgres,
+            "SELECT DISTINCT partition FROM outpost_published ORDER BY 1",
+        ))
+        .await
+        .unwrap();
+    parts
+        .iter()
+        .map(|r| r.try_get_by_index::<i32>(0).unwrap())
+        .collect()
+}
+
+/// After a Redis data loss a partition's retained window moves back into the outbox, every
+/// event with its id, event id and sequence; an event whose id a producer wrote again after it
+/// was published (the outbox then holds an event under that id) stays in the history instead of
+/// failing the move, and the recovery completes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_loss_moves_the_window_back_even_when_an_event_id_was_written_again() {
     let db = TestDb::new().await;
@@ -481,16 +507,23 @@ async fn redis_loss_moves_the_window_back_even_when_an_event_id_was_written_agai
     )
     .await;
 
-    let recovery = db
-        .store
-        .recover_redis_loss("a-new-run", 3600)
-        .await
-        .expect("the recovery runs")
-        .expect("the new run id is claimed");
-    assert_eq!(
-        recovery.republished, 1,
-        "o2's event moves back, o1's first stays"
-    );
+    // Redis kept nothing of stream `s`: every partition's window goes back.
+    let mut republished = 0;
+    for p in positions_at(&db, 1000).await {
+        let lost = [LostStream {
+            stream: "s".to_owned(),
+            recorded: (1000, 0),
+            kept: None,
+        }];
+        let recovery = db
+            .store
+            .recover_partition(p, &lost, 3600)
+            .await
+            .expect("the recovery runs")
+            .expect("the positions are as read");
+        republished += recovery.republished;
+    }
+    assert_eq!(republished, 1, "o2's event moves back, o1's first stays");
     assert_eq!(
         scalar(
             &db,
@@ -517,5 +550,82 @@ async fn redis_loss_moves_the_window_back_even_when_an_event_id_was_written_agai
         .await,
         1,
         "the first write of the repeated id stays in the history"
+    );
+    assert_eq!(
+        scalar(&db, "SELECT count(*) FROM outpost_stream_position").await,
+        0,
+        "a stream Redis kept nothing of loses its positions"
+    );
+}
+
+/// A partial loss: only the events published after the newest entry Redis kept go back, the
+/// partition's epoch moves on, the position is set back to what Redis kept, and a recovery based
+/// on a position that moved since the check does nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_partial_loss_moves_back_only_what_came_after_the_kept_entry() {
+    let db = TestDb::new().await;
+    commit(
+        &db,
+        (1..=3)
+            .map(|n| EventFact::new("order", "o1", "order.placed", json!({"n": n})))
+            .collect(),
+    )
+    .await;
+    db.store.age_as_published(None, 0).await.unwrap();
+    db.store
+        .connection()
+        .execute_unprepared(
+            "UPDATE outpost_published SET stream_id = (aggregate_seq * 100)::text || '-0'",
+        )
+        .await
+        .unwrap();
+    let parts = positions_at(&db, 300).await;
+    assert_eq!(parts.len(), 1);
+    let p = parts[0];
+    let epoch_sql = format!("SELECT epoch FROM outpost_partition WHERE partition = {p}");
+    let before = scalar(&db, &epoch_sql).await;
+
+    let stale = [LostStream {
+        stream: "s".to_owned(),
+        recorded: (250, 0),
+        kept: Some((200, 0)),
+    }];
+    assert_eq!(
+        db.store.recover_partition(p, &stale, 3600).await.unwrap(),
+        None,
+        "the position is no longer what the check read"
+    );
+    let lost = [LostStream {
+        stream: "s".to_owned(),
+        recorded: (300, 0),
+        kept: Some((200, 0)),
+    }];
+    let recovery = db
+        .store
+        .recover_partition(p, &lost, 3600)
+        .await
+        .unwrap()
+        .expect("recovered");
+    assert_eq!(recovery.republished, 1);
+    assert_eq!(recovery.outside_window, Some(0));
+    assert_eq!(recovery.epoch, before + 1);
+    assert_eq!(scalar(&db, &epoch_sql).await, before + 1);
+    assert_eq!(
+        scalar(
+            &db,
+            "SELECT aggregate_seq FROM outpost_event WHERE status = 'pending'"
+        )
+        .await,
+        3,
+        "only the third event was published after the kept entry"
+    );
+    assert_eq!(
+        scalar(&db, "SELECT count(*) FROM outpost_published").await,
+        2
+    );
+    assert_eq!(
+        scalar(&db, "SELECT last_ms FROM outpost_stream_position").await,
+        200,
+        "the position is what Redis kept"
     );
 }

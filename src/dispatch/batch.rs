@@ -420,6 +420,7 @@ async fn deliver(
     let mut simple: Vec<(usize, usize)> = Vec::new();
     let mut shared_published: Vec<(i64, String)> = Vec::new();
     let mut shared_leases: Vec<(i32, i64)> = Vec::new();
+    let mut shared_positions: Vec<(i32, String, i64, i64)> = Vec::new();
     let mut detailed: Vec<(usize, usize, BatchResult, Option<PublishError>)> = Vec::new();
     for ((i, claimed), settlement) in heads.into_iter().zip(settled) {
         let (result, transient) = match settlement {
@@ -459,6 +460,12 @@ async fn deliver(
         if only_published && transient.is_none() {
             shared_leases.push((leases[i].partition, leases[i].epoch));
             shared_published.extend(result.published);
+            shared_positions.extend(
+                result
+                    .positions
+                    .into_iter()
+                    .map(|(s, ms, seq)| (leases[i].partition, s, ms, seq)),
+            );
             simple.push((i, claimed));
         } else {
             detailed.push((i, claimed, result, transient));
@@ -468,12 +475,17 @@ async fn deliver(
     fail::fail_point!("before-mark", |_| std::process::abort());
     let started = Instant::now();
     if !shared_leases.is_empty() {
+        let positions: Vec<(i32, &str, i64, i64)> = shared_positions
+            .iter()
+            .map(|(p, s, ms, seq)| (*p, s.as_str(), *ms, *seq))
+            .collect();
         match worker
             .store
             .mark_published_many(
                 &leases[simple[0].0].node_id,
                 &shared_leases,
                 &shared_published,
+                &positions,
                 settings.delete_published,
             )
             .await
@@ -617,7 +629,7 @@ fn note_replies(book: &StreamBook, calls: &[StreamBatch], replies: &[StreamOutco
         match reply {
             StreamOutcome::Published(ids) | StreamOutcome::Failed { ids, .. } => {
                 if let Some(last) = ids.last() {
-                    book.published(&call.stream, last);
+                    book.published(&call.stream, call.partition, last);
                 }
             }
             StreamOutcome::Lost => book.flag_lost(),
@@ -696,6 +708,7 @@ fn plan(
                             None => {
                                 plan.batches.push(StreamBatch {
                                     known: book.is_known(&stream),
+                                    expect: book.expected(&stream, lease.partition),
                                     stream,
                                     partition: lease.partition,
                                     epoch: fence_epoch(lease.epoch),

@@ -240,15 +240,8 @@ async fn boot(config: Config) -> Result<Booted, NodeError> {
     // the first append; then the same check the supervisor runs when the run id changes.
     redis_loss::load_known(&store, &shared.streams).await?;
     let window = config.retention.republish_window_secs;
-    let checked = redis_loss::check(
-        &store,
-        &publisher,
-        &shared.streams,
-        &facts.0.run_id,
-        false,
-        window,
-    )
-    .await;
+    let checked =
+        redis_loss::check(&store, &publisher, &shared.streams, &facts.0.run_id, window).await;
     let checked_run_id = match checked {
         Ok(_) => Some(facts.0.run_id.clone()),
         Err(e) => {

@@ -12,7 +12,7 @@
 use std::time::Duration;
 
 use super::batch::RelaySettings;
-use crate::publish::{ErrorClass, PublishError, StreamBatch, StreamOutcome};
+use crate::publish::{ErrorClass, PublishError, StreamBatch, StreamOutcome, parse_entry_id};
 use crate::store::{BatchResult, FailedEvent};
 
 /// Where an entry of a stream call came from (its aggregate is the entry's).
@@ -125,6 +125,9 @@ fn settle_partition(
             }
         };
         let appended = ids.len();
+        if let Some((ms, seq)) = ids.last().and_then(|id| parse_entry_id(id)) {
+            result.positions.push((call.stream.clone(), ms, seq));
+        }
         for ((origin, entry), id) in origins.iter().zip(&call.entries).zip(ids) {
             let latency = (now - origin.recorded_at.with_timezone(&chrono::Utc))
                 .to_std()
@@ -254,6 +257,7 @@ mod tests {
             partition,
             epoch: 1,
             known: true,
+            expect: None,
             entries: (0..n).map(|k| entry(agg, k + 1)).collect(),
         };
         let origins = (0..n).map(|k| origin(first_id + k, k + 1, 0)).collect();

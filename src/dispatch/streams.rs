@@ -27,6 +27,11 @@ struct Book {
     known: HashSet<String>,
     /// Newest acknowledged entry id per stream since the last flush.
     dirty: HashMap<String, (i64, i64)>,
+    /// Per partition and stream, the newest entry id this node knows the partition appended:
+    /// noted at every acknowledged append, loaded from `outpost_stream_position` when the
+    /// partition is taken. Each append carries it, and Redis refuses the append when it holds
+    /// an older one (it lost the entries after it).
+    acked: HashMap<i32, HashMap<String, (i64, i64)>>,
 }
 
 impl StreamBook {
@@ -42,8 +47,8 @@ impl StreamBook {
         self.book().known.contains(stream)
     }
 
-    /// Notes entries appended to `stream`, the newest being `last_id`.
-    pub fn published(&self, stream: &str, last_id: &str) {
+    /// Notes entries `partition` appended to `stream`, the newest being `last_id`.
+    pub fn published(&self, stream: &str, partition: i32, last_id: &str) {
         let Some(id) = parse_entry_id(last_id) else {
             return;
         };
@@ -55,6 +60,34 @@ impl StreamBook {
         if *pos < id {
             *pos = id;
         }
+        let acked = book.acked.entry(partition).or_default();
+        match acked.get_mut(stream) {
+            Some(pos) => *pos = (*pos).max(id),
+            None => {
+                acked.insert(stream.to_owned(), id);
+            }
+        }
+    }
+
+    /// The newest entry id `partition` is known to have appended to `stream`.
+    pub fn expected(&self, stream: &str, partition: i32) -> Option<(i64, i64)> {
+        self.book()
+            .acked
+            .get(&partition)
+            .and_then(|s| s.get(stream))
+            .copied()
+    }
+
+    /// A partition was taken: what it appended is what the database recorded (`marks`, stream
+    /// and position), replacing what this node remembered of an earlier lease of it.
+    pub fn take_partition(&self, partition: i32, marks: Vec<(String, (i64, i64))>) {
+        let mut book = self.book();
+        for (stream, _) in &marks {
+            if !book.known.contains(stream) {
+                book.known.insert(stream.clone());
+            }
+        }
+        book.acked.insert(partition, marks.into_iter().collect());
     }
 
     /// A known stream turned out to have no fence: Redis lost data. The supervisor checks at
@@ -103,15 +136,22 @@ mod tests {
     fn positions_grow_and_a_new_incarnation_drops_old_ones() {
         let book = StreamBook::default();
         assert!(!book.is_known("s"));
-        book.published("s", "5-1");
-        book.published("s", "4-9");
-        book.published("s", "bad");
+        book.published("s", 3, "5-1");
+        book.published("s", 3, "4-9");
+        book.published("s", 3, "bad");
+        assert_eq!(book.expected("s", 3), Some((5, 1)));
+        assert_eq!(book.expected("s", 4), None);
         assert!(book.is_known("s"));
         assert_eq!(book.take_dirty(), (0, vec![("s".to_owned(), 5, 1)]));
         assert_eq!(book.take_dirty(), (0, vec![]));
-        book.published("s", "6-0");
+        book.published("s", 3, "6-0");
         book.absorb(1, vec!["t".to_owned()]);
         assert_eq!(book.take_dirty(), (1, vec![]));
         assert!(book.is_known("t"));
+        // Taking the partition again replaces what was remembered with the recorded position.
+        book.take_partition(3, vec![("u".to_owned(), (2, 0))]);
+        assert_eq!(book.expected("s", 3), None);
+        assert_eq!(book.expected("u", 3), Some((2, 0)));
+        assert!(book.is_known("u"));
     }
 }

@@ -473,7 +473,7 @@ impl NodeSupervisor {
                     let leases = store
                         .acquire_partitions(&node, lease_ms, &holding, want)
                         .await?;
-                    fence_known_streams(&publisher, &shared, &leases).await;
+                    fence_known_streams(&store, &publisher, &shared, &leases).await;
                     Ok::<_, crate::store::StoreError>(leases)
                 }
                 .into_actor(self)
@@ -592,7 +592,6 @@ impl NodeSupervisor {
                         &publisher,
                         &shared.streams,
                         &run_id,
-                        lost,
                         window,
                     )
                     .await
@@ -1233,9 +1232,43 @@ impl Handler<OwnedPartitions> for NodeSupervisor {
 /// owner's late appends. A stream nobody wrote before has nothing such an append could come
 /// after. When Redis cannot be reached the leases are taken all the same: the first append of
 /// each partition to each stream raises its fence.
-async fn fence_known_streams(publisher: &Publisher, shared: &Shared, leases: &[Lease]) {
+///
+/// It also loads what the partitions appended to each stream, as recorded with their marks
+/// (`outpost_stream_position`): the first append of each to each stream then tells a Redis that
+/// lost entries of the partition since (restored from a snapshot, say) and refuses to append
+/// past the gap (`super::redis_loss`). When the database cannot answer, the partitions start
+/// without it and the check at the next change of Redis's run id is what remains.
+async fn fence_known_streams(
+    store: &Store,
+    publisher: &Publisher,
+    shared: &Shared,
+    leases: &[Lease],
+) {
     if leases.is_empty() {
         return;
+    }
+    let parts: Vec<i32> = leases.iter().map(|l| l.partition).collect();
+    match store.stream_marks(Some(&parts)).await {
+        Ok(marks) => {
+            for p in parts {
+                let mine = marks
+                    .iter()
+                    .filter(|m| m.partition == p)
+                    .map(|m| (m.stream.clone(), m.last))
+                    .collect();
+                shared.streams.take_partition(p, mine);
+            }
+        }
+        Err(e) => {
+            for p in parts {
+                shared.streams.take_partition(p, Vec::new());
+            }
+            tracing::warn!(
+                error = %e,
+                "reading the newly taken partitions' stream positions failed; their appends are \
+                 not checked against them"
+            );
+        }
     }
     let streams = shared.streams.known();
     let epochs: Vec<(i32, i64)> = leases.iter().map(|l| (l.partition, l.epoch)).collect();

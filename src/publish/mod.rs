@@ -51,6 +51,10 @@ pub struct StreamBatch {
     /// The stream was written before (by any node, as far as this node knows): its fence hash
     /// must exist, or Redis lost its data and nothing is appended ([`StreamOutcome::Lost`]).
     pub known: bool,
+    /// The newest entry id the partition is known to have appended to the stream, as
+    /// `(ms, seq)`: when Redis holds an older one for the partition, it lost the entries after
+    /// it, and nothing is appended ([`StreamOutcome::Lost`]).
+    pub expect: Option<(i64, i64)>,
     /// The entries, in order.
     pub entries: Vec<Entry>,
 }
@@ -65,8 +69,10 @@ pub enum StreamOutcome {
         /// The epoch found at Redis.
         current: i64,
     },
-    /// The stream is known to have been written, but its fence hash is gone: Redis lost its data
-    /// (restarted empty, failed over to a replica without it, evicted it). Nothing appended.
+    /// The stream is known to have been written, but its fence hash is gone, or the newest entry
+    /// of the partition Redis holds is older than [`StreamBatch::expect`]: Redis lost data
+    /// (restarted empty or from an older snapshot, failed over to a replica that lagged,
+    /// evicted it). Nothing appended.
     Lost,
     /// The first `ids.len()` entries were appended, then Redis refused the next one.
     Failed {
@@ -299,16 +305,7 @@ impl Publisher {
                     }
                     None => 0,
                 };
-                let b = &batches[i];
-                calls.push(script::call(
-                    &fence,
-                    &b.stream,
-                    b.partition,
-                    b.epoch,
-                    b.known,
-                    deadline,
-                    &b.entries,
-                ));
+                calls.push(script::call(&fence, &batches[i], deadline));
                 sending.push((i, fence, source));
             }
             let replies = if calls.is_empty() {

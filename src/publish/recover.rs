@@ -1,6 +1,8 @@
 //! Reading what Redis still holds of the streams Outpost wrote, and re-creating their fences
 //! after Redis lost its data.
 
+use std::collections::HashMap;
+
 use redis::Value;
 
 use super::{PublishError, Publisher, parse_entry_id};
@@ -61,6 +63,62 @@ impl Publisher {
                 _ => None,
             };
             out.push(StreamPosition { fence, last });
+        }
+        Ok(out)
+    }
+
+    /// What the fence hash of each stream says of the partitions that appended to it: per
+    /// partition, the newest entry id it appended (`<partition>:last`); `None` when the hash is
+    /// gone. One pipelined call.
+    pub async fn fence_marks(
+        &self,
+        streams: &[String],
+    ) -> Result<Vec<Option<HashMap<i32, (i64, i64)>>>, PublishError> {
+        if streams.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut calls = Vec::with_capacity(streams.len());
+        for s in streams {
+            let mut all = redis::cmd("HGETALL");
+            all.arg(self.fence_key(s)?);
+            calls.push(all);
+        }
+        let replies = self.conn.run_each(calls, self.limit).await;
+        let mut out = Vec::with_capacity(streams.len());
+        for reply in replies {
+            let v = match reply {
+                Some(Ok(v)) => v,
+                Some(Err(e)) => return Err(PublishError::from_redis(e)),
+                None => return Err(PublishError::timed_out(self.limit)),
+            };
+            let pairs: Vec<(String, String)> = match &v {
+                Value::Array(items) => items
+                    .chunks(2)
+                    .filter_map(|c| {
+                        Some((
+                            super::script::text(c.first()?)?,
+                            super::script::text(c.get(1)?)?,
+                        ))
+                    })
+                    .collect(),
+                Value::Map(m) => m
+                    .iter()
+                    .filter_map(|(k, v)| Some((super::script::text(k)?, super::script::text(v)?)))
+                    .collect(),
+                _ => Vec::new(),
+            };
+            if pairs.is_empty() {
+                out.push(None);
+                continue;
+            }
+            let marks = pairs
+                .into_iter()
+                .filter_map(|(field, value)| {
+                    let partition = field.strip_suffix(":last")?.parse().ok()?;
+                    Some((partition, parse_entry_id(&value)?))
+                })
+                .collect();
+            out.push(Some(marks));
         }
         Ok(out)
     }

@@ -4,12 +4,13 @@ use std::sync::LazyLock;
 
 use redis::{Cmd, Value};
 
-use super::entry::{Entry, FIXED, OPTIONAL, field};
-use super::{PublishError, StreamOutcome};
+use super::entry::{FIXED, OPTIONAL, field};
+use super::{PublishError, StreamBatch, StreamOutcome};
 
 /// KEYS[1]: fence hash, KEYS[2]: stream. ARGV[1]: partition, ARGV[2]: epoch, ARGV[3]: `1` when
 /// the stream is known to have been written before (its fence hash must exist), ARGV[4]: the
-/// call's deadline in Redis's milliseconds (`0`: none; `clock`), then per entry:
+/// call's deadline in Redis's milliseconds (`0`: none; `clock`), ARGV[5]: the newest entry id
+/// the partition is known to have appended to the stream (empty: none known), then per entry:
 /// its shape (which optional fields it has, [`Entry`]'s bits) and the values it brings, in field
 /// order. Field names and constant values are literals of the script (generated from
 /// [`FIXED`] and [`OPTIONAL`]): Redis turns every argument into a Lua string and back, and
@@ -18,9 +19,14 @@ use super::{PublishError, StreamOutcome};
 /// A negative epoch skips the fence entirely (only the `fence-off` fault point sends one, to show in
 /// tests what the fence prevents).
 ///
+/// The fence hash holds, per partition, its epoch (field `<partition>`) and the newest entry
+/// id it appended (field `<partition>:last`), written in the same step as the entries: a Redis
+/// restored from a snapshot, or a replica promoted, has both as of the same moment.
+///
 /// Returns `{'late'}` when the call runs after its deadline (its node gave up on it: nothing is
-/// appended), `{'lost'}` when a known stream has no fence hash (Redis lost its data: nothing is
-/// appended until the loss is handled), `{'fenced', current}` when a newer epoch is recorded;
+/// appended), `{'lost'}` when a known stream has no fence hash, or the partition's newest entry
+/// at Redis is older than ARGV[5] (Redis lost data: nothing is appended until the loss is
+/// handled), `{'fenced', current}` when a newer epoch is recorded;
 /// otherwise `{'ok', id...}`, or `{'error', message, id...}` when an `XADD` was refused after the
 /// listed ids were appended.
 const LUA_FENCE: &str = r"
@@ -40,12 +46,22 @@ local epoch = tonumber(ARGV[2])
 if epoch >= 0 and current > epoch then
   return {'fenced', tostring(current)}
 end
+if ARGV[5] ~= '' then
+  local kept = redis.call('HGET', KEYS[1], ARGV[1] .. ':last')
+  local km, ks, em, es
+  if kept then km, ks = string.match(kept, '^(%d+)-(%d+)$') end
+  em, es = string.match(ARGV[5], '^(%d+)-(%d+)$')
+  km, ks, em, es = tonumber(km), tonumber(ks), tonumber(em), tonumber(es)
+  if em and (not km or km < em or (km == em and ks < es)) then
+    return {'lost'}
+  end
+end
 if current < epoch then
   redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 end
 local stream = KEYS[2]
 local out = {'ok'}
-local i = 5
+local i = 6
 local last = #ARGV
 while i <= last do
   local shape = ARGV[i]
@@ -54,12 +70,14 @@ while i <= last do
 
 const LUA_END: &str = r"
   if type(r) == 'table' and r.err then
+    if #out > 1 then redis.call('HSET', KEYS[1], ARGV[1] .. ':last', out[#out]) end
     out[1] = r.err
     table.insert(out, 1, 'error')
     return out
   end
   out[#out + 1] = r
 end
+if #out > 1 then redis.call('HSET', KEYS[1], ARGV[1] .. ':last', out[#out]) end
 return out
 ";
 
@@ -111,21 +129,21 @@ static SCRIPT: LazyLock<(String, redis::Script)> = LazyLock::new(|| {
     (text, script)
 });
 
-/// `EVALSHA` of the script for one stream.
-pub(super) fn call(
-    fence: &str,
-    stream: &str,
-    partition: i32,
-    epoch: i64,
-    known: bool,
-    deadline: i64,
-    entries: &[Entry],
-) -> Cmd {
+/// `EVALSHA` of the script for one stream's batch, checked against `fence` and `deadline`.
+pub(super) fn call(fence: &str, batch: &StreamBatch, deadline: i64) -> Cmd {
+    let StreamBatch {
+        stream,
+        partition,
+        epoch,
+        known,
+        expect,
+        entries,
+    } = batch;
     // Sized up front: a call carries a whole batch (hundreds of kilobytes when draining), and
     // growing the buffer would copy it several times over.
     let (args, bytes) = entries
         .iter()
-        .fold((9, 144 + stream.len() * 2), |(a, b), e| {
+        .fold((10, 184 + stream.len() * 2), |(a, b), e| {
             e.values()
                 .fold((a + 1, b + 1), |(a, b), v| (a + 1, b + v.len()))
         });
@@ -137,8 +155,12 @@ pub(super) fn call(
         .arg(stream)
         .arg(partition)
         .arg(epoch)
-        .arg(if known { "1" } else { "0" })
+        .arg(if *known { "1" } else { "0" })
         .arg(deadline);
+    match expect {
+        Some((ms, seq)) => cmd.arg(format!("{ms}-{seq}")),
+        None => cmd.arg(""),
+    };
     for entry in entries {
         cmd.arg(entry.shape());
         for value in entry.values() {

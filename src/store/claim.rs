@@ -8,6 +8,7 @@ use std::sync::LazyLock;
 
 use sea_orm::{ConnectionTrait, TransactionTrait, Value};
 
+use super::positions::{position_arrays, record_positions, record_positions_sql};
 use super::sql::{num_array, text_array};
 use super::{Store, StoreError, stmt};
 
@@ -91,6 +92,9 @@ pub struct BatchResult {
     pub no_destination: Vec<i64>,
     /// Rows that failed permanently.
     pub failed: Vec<FailedEvent>,
+    /// The newest entry id appended per stream, as `(stream, ms, seq)`: recorded with the mark
+    /// (`outpost_stream_position`), so a Redis that later lost it can tell.
+    pub positions: Vec<(String, i64, i64)>,
 }
 
 /// How a recorded batch ended for the failed rows.
@@ -214,12 +218,14 @@ impl Store {
         node_id: &str,
         leases: &[(i32, i64)],
         published: &[(i64, String)],
+        positions: &[(i32, &str, i64, i64)],
         delete_published: bool,
     ) -> Result<Vec<i32>, StoreError> {
         let parts: Vec<i32> = leases.iter().map(|(p, _)| *p).collect();
         let epochs: Vec<i64> = leases.iter().map(|(_, e)| *e).collect();
         let ids: Vec<i64> = published.iter().map(|(id, _)| *id).collect();
         let sids: Vec<&str> = published.iter().map(|(_, s)| s.as_str()).collect();
+        let [pos_parts, pos_streams, pos_ms, pos_seqs] = position_arrays(positions);
         let rows = self
             .connection()
             .query_all_raw(stmt(
@@ -230,6 +236,10 @@ impl Store {
                     num_array(&epochs).into(),
                     num_array(&ids).into(),
                     text_array(&sids).into(),
+                    pos_parts,
+                    pos_streams,
+                    pos_ms,
+                    pos_seqs,
                 ],
             ))
             .await
@@ -258,11 +268,17 @@ impl Store {
             && result.unblocked.is_empty()
             && result.failed.is_empty()
         {
+            let positions: Vec<(i32, &str, i64, i64)> = result
+                .positions
+                .iter()
+                .map(|(s, m, q)| (lease.partition, s.as_str(), *m, *q))
+                .collect();
             let held = self
                 .mark_published_many(
                     &lease.node_id,
                     &[(lease.partition, lease.epoch)],
                     &result.published,
+                    &positions,
                     delete_published,
                 )
                 .await?;
@@ -319,6 +335,7 @@ impl Store {
                 .map_err(StoreError::from_db)?;
             }
         }
+        record_positions(&txn, lease.partition, &result.positions).await?;
         if !result.no_destination.is_empty() {
             txn.execute_raw(stmt(
                 "UPDATE outpost_event SET status = 'no_destination' WHERE id = ANY($1::int8[])",
@@ -472,12 +489,17 @@ fn mark_many_sql(delete_published: bool) -> &'static str {
                 " AND e.partition IN (SELECT partition FROM lease)",
             )
         };
+        let positions = record_positions_sql(
+            ["$6", "$7", "$8", "$9"],
+            " AND v.p IN (SELECT partition FROM lease)",
+        );
         format!(
             "WITH lease AS (SELECT p.partition FROM outpost_partition p \
                             JOIN unnest($2::int4[], $3::int8[]) AS l(partition, epoch) \
                               ON p.partition = l.partition AND p.epoch = l.epoch \
                             WHERE p.owner = $1 ORDER BY p.partition FOR KEY SHARE OF p), \
-                  {marked} \
+                  {marked}, \
+                  positions AS ({positions}) \
              SELECT partition FROM lease"
         )
     }

@@ -15,6 +15,7 @@ mod lease;
 mod listen;
 mod migrate;
 mod node;
+mod positions;
 mod retention;
 mod sql;
 mod status;
@@ -33,7 +34,8 @@ pub use lease::{Lease, LeaseTick};
 pub use listen::{Nudge, NudgeListener, WAKEUP_CHANNEL};
 pub use migrate::{MigrationState, migrate_down, migrate_status, migrate_up};
 pub use node::NodeInfo;
-pub use retention::{Expiry, JANITOR_LOCK, Recovery, RedisRecord, StorageFigures, StreamRecord};
+pub use positions::{LostStream, PartitionRecovery, StreamMark};
+pub use retention::{Expiry, JANITOR_LOCK, RedisRecord, StorageFigures, StreamRecord};
 pub use status::{
     Backlog, BacklogFigures, NodeStatus, PUBLISHED_COUNTED_UP_TO, PartitionBacklog, StatusCount,
     backlog,

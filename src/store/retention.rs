@@ -58,17 +58,6 @@ pub struct RedisRecord {
     pub incarnation: i64,
 }
 
-/// What a recovery from a Redis data loss did.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Recovery {
-    /// The new incarnation.
-    pub incarnation: i64,
-    /// Published events moved back into the outbox as `pending`.
-    pub republished: u64,
-    /// Every partition with its new epoch.
-    pub epochs: Vec<(i32, i64)>,
-}
-
 /// Storage figures of the outbox table and the database's vacuum horizon.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct StorageFigures {
@@ -264,102 +253,6 @@ impl Store {
             .await
             .map_err(StoreError::from_db)?;
         Ok(())
-    }
-
-    /// Recovers from a Redis that lost data, in one transaction, unless another node already
-    /// did for this `run_id` (then `None`):
-    ///
-    /// 1. records `run_id` and a new incarnation;
-    /// 2. bumps every partition's epoch (owners keep their partitions): batches claimed before
-    ///    this point are refused at the mark, and at Redis once the fences are raised to the new
-    ///    epochs; the update waits for marks in flight;
-    /// 3. moves the events published in the last `window_secs` back into the outbox as
-    ///    `pending`, with their ids, event ids and sequences: the relay publishes them again
-    ///    through its normal path, in id order per partition, which is sequence order per
-    ///    aggregate;
-    /// 4. resets every stream's recorded position to the new incarnation.
-    pub async fn recover_redis_loss(
-        &self,
-        run_id: &str,
-        window_secs: u64,
-    ) -> Result<Option<Recovery>, StoreError> {
-        let txn = self
-            .connection()
-            .begin()
-            .await
-            .map_err(StoreError::from_db)?;
-        let claimed = txn
-            .query_one_raw(stmt(
-                "UPDATE outpost_redis SET run_id = $1, incarnation = incarnation + 1, \
-                   seen_at = now(), lost_at = now() \
-                 WHERE run_id IS DISTINCT FROM $1 RETURNING incarnation",
-                [run_id.into()],
-            ))
-            .await
-            .map_err(StoreError::from_db)?;
-        let Some(row) = claimed else {
-            txn.rollback().await.map_err(StoreError::from_db)?;
-            return Ok(None);
-        };
-        let incarnation: i64 = row.try_get_by_index(0).map_err(StoreError::from_db)?;
-        let epochs = epochs(
-            txn.query_all_raw(stmt(
-                "UPDATE outpost_partition SET epoch = epoch + 1 RETURNING partition, epoch",
-                [],
-            ))
-            .await
-            .map_err(StoreError::from_db)?,
-        )?;
-        let republished = if window_secs == 0 {
-            0
-        } else {
-            // The rows carry this transaction's id, so the insert trigger leaves their
-            // sequence, partition and id as they are (the same bypass the producer API's
-            // statement for many events uses); `txid` then names the re-queuing transaction.
-            // An event whose id a producer wrote again after it was published stays in the
-            // history: the outbox holds an event under that id already, which is published
-            // anyway, and the move must not fail on it (the recovery would never finish).
-            let columns = super::claim::PUBLISHED_COLUMNS
-                .split(", ")
-                .map(|c| if c == "txid" { "txid_current()" } else { c })
-                .collect::<Vec<_>>()
-                .join(", ");
-            txn.execute_raw(stmt(
-                &format!(
-                    "WITH back AS (DELETE FROM outpost_published p \
-                       WHERE p.published_at >= now() - $1 * interval '1 second' \
-                         AND NOT EXISTS (SELECT 1 FROM outpost_event e \
-                                         WHERE e.event_id = p.event_id) \
-                       RETURNING p.*) \
-                     INSERT INTO outpost_event ({}, status, next_attempt_at) \
-                     SELECT {columns}, 'pending', now() FROM back",
-                    super::claim::PUBLISHED_COLUMNS
-                ),
-                [i64::try_from(window_secs).unwrap_or(i64::MAX).into()],
-            ))
-            .await
-            .map_err(StoreError::from_db)?
-            .rows_affected()
-        };
-        txn.execute_raw(stmt(
-            "UPDATE outpost_stream SET incarnation = $1, last_ms = 0, last_seq = 0, \
-               updated_at = now()",
-            [incarnation.into()],
-        ))
-        .await
-        .map_err(StoreError::from_db)?;
-        txn.execute_raw(stmt(
-            "UPDATE outpost_redis SET republished = republished + $1",
-            [i64::try_from(republished).unwrap_or(i64::MAX).into()],
-        ))
-        .await
-        .map_err(StoreError::from_db)?;
-        txn.commit().await.map_err(StoreError::from_db)?;
-        Ok(Some(Recovery {
-            incarnation,
-            republished,
-            epochs,
-        }))
     }
 
     /// Every partition with its current epoch.
