@@ -8,6 +8,7 @@ mod support;
 use std::collections::BTreeMap;
 
 use outpost::consume::{Consumer, StartFrom};
+use sea_orm::ConnectionTrait;
 use support::consumer::{
     Ev, Running, append, append_foreign, applied, check, create_effects, pending, recorder,
     settings,
@@ -222,6 +223,91 @@ async fn failing_events_go_to_the_dead_letter_stream_and_everything_else_flows()
     .await;
     assert_eq!(dead_in_inbox, 40);
     assert_eq!(pending(&mut conn, &stream, "shipping").await, 0);
+}
+
+/// The producer's database restored from a backup: sequences 4 and 5 are used again by new
+/// events. The group applies them (their event ids are new), in order, and the events after them;
+/// copies of events it applied before the restore are still skipped, whatever their sequence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn new_events_reusing_sequences_after_a_producer_restore_are_applied_in_order() {
+    let (db, redis) = (TestDb::new().await, TestRedis::new());
+    create_effects(&db).await;
+    let stream = format!("{}events:order", redis.prefix);
+    let mut conn = redis.conn().await;
+    let before: Vec<Ev> = (1..=5).map(|s| Ev::new("r", s, "order.changed")).collect();
+    append(&mut conn, &stream, &before).await;
+    let running = Running::start(
+        settings(&redis, &stream, "books", "m1"),
+        &db,
+        recorder("m1"),
+    )
+    .await;
+    wait_until(30, "the history before the restore applied", || async {
+        applied(&db).await == 5
+    })
+    .await;
+
+    // The restore point is after sequence 3: new facts take sequences 4, 5 and 6. A copy of the
+    // old sequence 5 and of the old sequence 2 (a replay) arrives among them.
+    let after: Vec<Ev> = (4..=6).map(|s| Ev::new("r", s, "order.changed")).collect();
+    let mixed = [
+        after[0].clone(),
+        before[4].clone(),
+        after[1].clone(),
+        before[1].clone(),
+        after[2].clone(),
+    ];
+    append(&mut conn, &stream, &mixed).await;
+    wait_until(30, "the new events applied", || async {
+        applied(&db).await == 8
+    })
+    .await;
+    wait_until(30, "every entry acknowledged", || async {
+        pending(&mut redis.conn().await, &stream, "books").await == 0
+    })
+    .await;
+    let stats = running.stop().await;
+    assert_eq!(stats.processed, 8);
+    assert_eq!(
+        stats.duplicates, 2,
+        "the two copies of old events were skipped"
+    );
+
+    let rows = db
+        .store
+        .connection()
+        .query_all_raw(sea_orm::Statement::from_string(
+            sea_orm::DbBackend::Postgres,
+            "SELECT seq, event_id FROM consumer_effect ORDER BY id",
+        ))
+        .await
+        .unwrap();
+    let got: Vec<(i64, uuid::Uuid)> = rows
+        .iter()
+        .map(|r| {
+            (
+                r.try_get_by_index(0).unwrap(),
+                r.try_get_by_index(1).unwrap(),
+            )
+        })
+        .collect();
+    let want: Vec<(i64, uuid::Uuid)> = before
+        .iter()
+        .chain(&after)
+        .map(|e| (e.seq, e.event_id))
+        .collect();
+    assert_eq!(
+        got, want,
+        "each event once, the rewound history in order after the old"
+    );
+    assert_eq!(
+        support::scalar(
+            &db,
+            "SELECT last_seq FROM outpost_consumer_position WHERE consumer_group = 'books'"
+        )
+        .await,
+        6
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

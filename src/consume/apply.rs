@@ -68,23 +68,37 @@ impl<H: Handler> Applier<H> {
             Ok(locked) => locked,
             Err(outcome) => return outcome,
         };
-        if pos.seen || d.aggregate_seq <= pos.last_seq {
+        if pos.seen {
             return rollback(txn, Outcome::Duplicate).await;
         }
-        let expected = pos.last_seq + 1;
-        if d.aggregate_seq > expected && self.order == OrderMode::Strict {
-            let _ = txn.rollback().await;
-            if d.deliveries >= self.max_deliveries {
-                let reason = format!(
-                    "sequence gap: the group waits for sequence {expected} of {} {}, this is \
-                     {} (delivered {} times); replay the missing event, then this one",
-                    d.aggregate_type, d.aggregate_id, d.aggregate_seq, d.deliveries
-                );
-                return self.dead_letter(d, &reason, false).await;
+        if d.aggregate_seq <= pos.last_seq {
+            // A new event id at a sequence the group has passed: the producer's history was
+            // rewound (its database restored from a backup, or an asynchronous replica
+            // promoted) and the sequence is being used again by a new fact. It is applied, and
+            // the group's position follows it back, so the events after it apply in order.
+            tracing::warn!(
+                event_id = %d.event_id, event_type = %d.event_type,
+                aggregate = %format_args!("{}/{}", d.aggregate_type, d.aggregate_id),
+                seq = d.aggregate_seq, position = pos.last_seq,
+                "a new event reuses a sequence the group has passed (the producer's history \
+                 was rewound); applying it and moving the group's position back to it"
+            );
+        } else {
+            let expected = pos.last_seq + 1;
+            if d.aggregate_seq > expected && self.order == OrderMode::Strict {
+                let _ = txn.rollback().await;
+                if d.deliveries >= self.max_deliveries {
+                    let reason = format!(
+                        "sequence gap: the group waits for sequence {expected} of {} {}, this \
+                         is {} (delivered {} times); replay the missing event, then this one",
+                        d.aggregate_type, d.aggregate_id, d.aggregate_seq, d.deliveries
+                    );
+                    return self.dead_letter(d, &reason, false).await;
+                }
+                return Outcome::Held {
+                    expected: Some(expected),
+                };
             }
-            return Outcome::Held {
-                expected: Some(expected),
-            };
         }
         let handled = AssertUnwindSafe(self.handler.handle(d, &txn))
             .catch_unwind()
@@ -200,8 +214,9 @@ impl<H: Handler> Applier<H> {
                 Ok(locked) => locked,
                 Err(outcome) => return outcome,
             };
-            let next = d.aggregate_seq == pos.last_seq + 1
-                || (self.order == OrderMode::Monotonic && d.aggregate_seq > pos.last_seq);
+            // Its place is the group's next (or, in monotonic order, any later), or a sequence
+            // the group has passed that a new event reuses (see `process`).
+            let next = self.order == OrderMode::Monotonic || d.aggregate_seq <= pos.last_seq + 1;
             if !pos.seen
                 && next
                 && let Err(e) = self.record(&txn, d, InboxOutcome::DeadLettered).await

@@ -91,8 +91,10 @@ pub async fn lock_position<C: ConnectionTrait>(
 }
 
 /// Records `event_id` in the group's inbox and moves the group's position in the aggregate to
-/// `seq`, in the caller's transaction (after [`lock_position`]). Returns `false` when the event
-/// id was in the inbox already (a duplicate raced in): the caller must roll back.
+/// `seq`, in the caller's transaction (after [`lock_position`]): forward, or back when a new
+/// event reuses a sequence the group has passed (the producer's history was rewound). Returns
+/// `false` when the event id was in the inbox already (a duplicate raced in): the caller must
+/// roll back.
 #[allow(clippy::too_many_arguments)]
 pub async fn record_processed<C: ConnectionTrait>(
     txn: &C,
@@ -107,7 +109,7 @@ pub async fn record_processed<C: ConnectionTrait>(
         .execute_raw(stmt(
             "WITH inbox AS (INSERT INTO outpost_inbox (consumer_group, event_id, outcome) \
                             VALUES ($1, $5, $6)) \
-             UPDATE outpost_consumer_position SET last_seq = greatest(last_seq, $4), \
+             UPDATE outpost_consumer_position SET last_seq = $4, \
                     updated_at = now() \
              WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3",
             [
