@@ -183,6 +183,11 @@ pub async fn check(
             return Ok(Watch::Fine);
         }
         store.note_redis_run_id(run_id).await?;
+        if redis.run_id.is_none() {
+            // The first node of a new database meets its Redis: nothing to compare with.
+            tracing::info!(run_id, "Redis instance recorded");
+            return Ok(Watch::Fine);
+        }
         tracing::warn!(
             run_id,
             streams = names.len(),
