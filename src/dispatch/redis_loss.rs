@@ -67,7 +67,7 @@
 
 use metrics::counter;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use super::streams::StreamBook;
 use crate::metrics as m;
@@ -140,13 +140,15 @@ pub async fn check(
         }
     }
     let fences = publisher.fence_marks(&names).await?;
+    let by_stream: HashMap<&str, &HashMap<i32, (i64, i64)>> = names
+        .iter()
+        .zip(&fences)
+        .filter_map(|(n, f)| f.as_ref().map(|f| (n.as_str(), f)))
+        .collect();
     let mut lost: BTreeMap<i32, Vec<LostStream>> = BTreeMap::new();
     for m in marks {
-        let kept = names
-            .iter()
-            .position(|n| *n == m.stream)
-            .and_then(|i| fences.get(i))
-            .and_then(|f| f.as_ref())
+        let kept = by_stream
+            .get(m.stream.as_str())
             .and_then(|f| f.get(&m.partition))
             .copied();
         if kept.is_none_or(|k| k < m.last) {
@@ -226,6 +228,8 @@ pub async fn check(
             .await?
         {
             Some(r) => {
+                // Raised at once: until then a batch of the partition's old epoch could append
+                // to a stream that lost nothing, ahead of the re-queued events.
                 publisher
                     .raise_fences(&names, &[(partition, r.epoch)])
                     .await?;

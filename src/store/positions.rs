@@ -255,6 +255,15 @@ impl Store {
                        THEN (split_part(p.stream_id, '-', 1)::int8, \
                              split_part(p.stream_id, '-', 2)::int8) > ($2::int8, $3::int8) \
                        ELSE true END";
+        // The parameters of both statements over the history: partition, loss point, window.
+        let after_cut = || {
+            [
+                partition.into(),
+                cut.0.into(),
+                cut.1.into(),
+                i64::try_from(window_secs).unwrap_or(i64::MAX).into(),
+            ]
+        };
         let republished = if window_secs == 0 {
             0
         } else {
@@ -281,12 +290,7 @@ impl Store {
                      SELECT {columns}, 'pending', now() FROM back",
                     super::claim::PUBLISHED_COLUMNS
                 ),
-                [
-                    partition.into(),
-                    cut.0.into(),
-                    cut.1.into(),
-                    i64::try_from(window_secs).unwrap_or(i64::MAX).into(),
-                ],
+                after_cut(),
             ))
             .await
             .map_err(StoreError::from_db)?
@@ -307,12 +311,7 @@ impl Store {
                            AND p.published_at >= to_timestamp($2::int8 / 1000.0) \
                                                  - interval '1 minute'"
                     ),
-                    [
-                        partition.into(),
-                        cut.0.into(),
-                        cut.1.into(),
-                        i64::try_from(window_secs).unwrap_or(i64::MAX).into(),
-                    ],
+                    after_cut(),
                 ))
                 .await
                 .map_err(StoreError::from_db)?
