@@ -19,7 +19,7 @@ pub const RETRIES: &str = "outpost_retries_total";
 pub const QUARANTINED: &str = "outpost_events_quarantined_total";
 /// Events that routing sends nowhere.
 pub const NO_DESTINATION: &str = "outpost_events_no_destination_total";
-/// Times a batch waited for a rate-limit permit.
+/// Batches deferred because the cluster's rate-limit budget had no room for them yet.
 pub const RATE_LIMITED_WAITS: &str = "outpost_rate_limited_waits_total";
 /// Rows by state (`state` label), refreshed by the supervisor.
 pub const BACKLOG: &str = "outpost_backlog_events";
@@ -176,7 +176,7 @@ fn describe() {
     describe_counter!(
         RATE_LIMITED_WAITS,
         Unit::Count,
-        "Waits for a rate-limit permit."
+        "Batches deferred for a rate-limit permit (their rows stay pending)."
     );
     describe_gauge!(BACKLOG, Unit::Count, "Outbox rows by state.");
     describe_gauge!(

@@ -499,3 +499,56 @@ fn other_checks() {
     }
     assert_eq!(errors.to_string().lines().count(), errors.problems.len());
 }
+
+#[test]
+fn stream_rate_limits_come_from_a_table_and_bad_entries_say_how_to_fix_them() {
+    let file = TempToml::new(
+        r#"[rate_limit]
+per_stream_per_sec = 500
+
+[rate_limit.streams]
+"events:audit" = 100
+"events:bulk" = 0
+"#,
+    );
+    let config = load(&options(
+        Some(file.path()),
+        &[("OUTPOST_RATE_LIMIT__STREAMS__orders", "7")],
+        &[("rate_limit.streams.payments", "20")],
+    ))
+    .expect("a valid configuration");
+    let streams: Vec<(&str, u32)> = config
+        .rate_limit
+        .streams
+        .iter()
+        .map(|(k, v)| (k.as_str(), *v))
+        .collect();
+    assert_eq!(
+        streams,
+        vec![
+            ("events:audit", 100),
+            ("events:bulk", 0),
+            ("orders", 7),
+            ("payments", 20)
+        ]
+    );
+
+    let file = TempToml::new("[rate_limit.streams]\n\"events:audit\" = \"fast\"\n");
+    let errors = load_err(&options(
+        Some(file.path()),
+        &[],
+        &[("rate_limit.streams.orders", "-3")],
+    ));
+    let p = problem(&errors, "rate_limit.streams.events:audit");
+    assert!(
+        p.message.contains("whole number") && p.message.contains("[rate_limit.streams]"),
+        "{}",
+        p.message
+    );
+    let p = problem(&errors, "rate_limit.streams.orders");
+    assert!(
+        p.message.contains("--set rate_limit.streams."),
+        "{}",
+        p.message
+    );
+}

@@ -29,6 +29,9 @@ pub enum BenchCommand {
     /// Producer throughput while the janitor deletes old rows, and a soak through a node with
     /// retention on.
     Retention(super::bench_retention::RetentionBench),
+    /// Rate limits over a cluster: the measured rate beside a global limit, and the other
+    /// streams' throughput while one stream is limited.
+    Rate(super::bench_rate::RateBench),
 }
 
 /// Options of `outpost bench producer`.
@@ -60,6 +63,7 @@ pub(super) async fn run(config: &Config, which: BenchCommand) -> anyhow::Result<
         BenchCommand::Relay(args) => super::bench_relay::run(config, args).await,
         BenchCommand::Consumer(args) => super::bench_consumer::run(config, args).await,
         BenchCommand::Retention(args) => super::bench_retention::run(config, args).await,
+        BenchCommand::Rate(args) => super::bench_rate::run(config, args).await,
     }
 }
 

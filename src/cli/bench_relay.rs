@@ -374,57 +374,15 @@ impl Bench<'_> {
     /// `VACUUM ANALYZE`s it.
     async fn preload(&self) -> anyhow::Result<()> {
         let args = self.args;
-        self.store.truncate_outbox().await?;
-        // The producers are another process, as they are in production: this process's memory
-        // is then the node's (and the benchmark's), not what the writers left behind.
-        let started = Instant::now();
-        let exe = std::env::current_exe().context("locating the outpost binary")?;
-        let out = tokio::process::Command::new(exe)
-            .arg("produce")
-            .args(["--count", &args.events.to_string()])
-            .args(["--aggregates", &args.aggregates.to_string()])
-            .args(["--payload-bytes", &args.payload_bytes.to_string()])
-            .args(["--tx-size", &PRELOAD_TX_SIZE.to_string()])
-            .args(["--writers", &PRELOAD_WRITERS.to_string()])
-            .args(["--aggregate-type", BENCH_AGGREGATE_TYPE])
-            .args(["--event-type", BENCH_EVENT_TYPE])
-            .args([
-                "--set",
-                &format!(
-                    "producer.max_payload_bytes={}",
-                    self.config.producer.max_payload_bytes
-                ),
-            ])
-            // In the environment, not on the command line, where `ps` would show a password.
-            .env("OUTPOST_DATABASE__URL", &self.url)
-            .kill_on_drop(true)
-            .output()
-            .await
-            .context("running `outpost produce` for the preload")?;
-        if !out.status.success() {
-            bail!(
-                "the preload (`outpost produce`) failed: {}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        let elapsed = started.elapsed().as_secs_f64();
-        let vacuum = Instant::now();
-        self.store.vacuum_analyze_outbox().await?;
-        println!(
-            "preload         {} events over {} aggregates, {}-byte payloads, {} writers × {} \
-             per transaction, by `outpost produce` in a process of its own: {:.1} s ({:.0} \
-             events/s); VACUUM ANALYZE + CHECKPOINT {:.1} s",
+        preload(
+            self.config,
+            &self.url,
+            &self.store,
             args.events,
-            args.aggregates.min(args.events),
+            args.aggregates,
             args.payload_bytes,
-            PRELOAD_WRITERS,
-            PRELOAD_TX_SIZE,
-            elapsed,
-            args.events as f64 / elapsed.max(1e-9),
-            vacuum.elapsed().as_secs_f64()
-        );
-        Ok(())
+        )
+        .await
     }
 
     /// Rows by state, and the entries of the streams matching `pattern`.
@@ -1448,6 +1406,69 @@ async fn scan_keys(conn: &mut MultiplexedConnection, pattern: &str) -> anyhow::R
     keys.sort();
     keys.dedup();
     Ok(keys)
+}
+
+/// Truncates the outbox and writes `events` events through the producer API, then
+/// `VACUUM ANALYZE`s it.
+pub(super) async fn preload(
+    config: &Config,
+    url: &str,
+    store: &Store,
+    events: u64,
+    aggregates: u64,
+    payload_bytes: usize,
+) -> anyhow::Result<()> {
+    store.truncate_outbox().await?;
+    // The producers are another process, as they are in production: this process's memory
+    // is then the node's (and the benchmark's), not what the writers left behind.
+    let started = Instant::now();
+    let exe = std::env::current_exe().context("locating the outpost binary")?;
+    let out = tokio::process::Command::new(exe)
+        .arg("produce")
+        .args(["--count", &events.to_string()])
+        .args(["--aggregates", &aggregates.to_string()])
+        .args(["--payload-bytes", &payload_bytes.to_string()])
+        .args(["--tx-size", &PRELOAD_TX_SIZE.to_string()])
+        .args(["--writers", &PRELOAD_WRITERS.to_string()])
+        .args(["--aggregate-type", BENCH_AGGREGATE_TYPE])
+        .args(["--event-type", BENCH_EVENT_TYPE])
+        .args([
+            "--set",
+            &format!(
+                "producer.max_payload_bytes={}",
+                config.producer.max_payload_bytes
+            ),
+        ])
+        // In the environment, not on the command line, where `ps` would show a password.
+        .env("OUTPOST_DATABASE__URL", url)
+        .kill_on_drop(true)
+        .output()
+        .await
+        .context("running `outpost produce` for the preload")?;
+    if !out.status.success() {
+        bail!(
+            "the preload (`outpost produce`) failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let vacuum = Instant::now();
+    store.vacuum_analyze_outbox().await?;
+    println!(
+        "preload         {} events over {} aggregates, {}-byte payloads, {} writers × {} \
+         per transaction, by `outpost produce` in a process of its own: {:.1} s ({:.0} \
+         events/s); VACUUM ANALYZE + CHECKPOINT {:.1} s",
+        events,
+        aggregates.min(events),
+        payload_bytes,
+        PRELOAD_WRITERS,
+        PRELOAD_TX_SIZE,
+        elapsed,
+        events as f64 / elapsed.max(1e-9),
+        vacuum.elapsed().as_secs_f64()
+    );
+    Ok(())
 }
 
 /// Entries of every stream whose key matches `pattern`.

@@ -4,6 +4,7 @@
 mod bench;
 mod bench_consumer;
 mod bench_latency;
+mod bench_rate;
 mod bench_relay;
 mod bench_retention;
 mod config_cmd;

@@ -212,6 +212,10 @@ impl SectionReader<'_> {
                 format!("{}.{entry}", f.key()),
                 format!("a stream template string or \"{}\"", super::NO_DESTINATION),
             ),
+            (Some(f), Some(entry)) if matches!(f.kind, Kind::UIntMap { .. }) => (
+                format!("{}.{entry}", f.key()),
+                format!("a whole number from 0 to {} ({})", u32::MAX, f.unit),
+            ),
             (Some(f), _) => (f.key(), f.expected()),
             (None, _) => (path.join("."), "a valid value".to_owned()),
         };
@@ -287,16 +291,24 @@ fn fix_hint(field: &Field, layer: Option<LayerKind>) -> String {
         (Kind::Str, _, _) => default_of(field).trim_matches('"').to_owned(),
         (Kind::StrList, _, _) => "OrderPlaced,OrderCancelled".to_owned(),
         (Kind::StrMap, _, _) => "events:orders".to_owned(),
+        (Kind::UIntMap { .. }, _, _) => "100".to_owned(),
     };
     let example_toml = match field.kind {
         Kind::Secret | Kind::Str => format!("{} = {example_raw:?}", field.name),
         Kind::StrList => format!("{} = [\"OrderPlaced\", \"OrderCancelled\"]", field.name),
         Kind::StrMap => "OrderPlaced = \"events:orders\" under [routing.overrides]".to_owned(),
+        Kind::UIntMap { .. } => {
+            format!("\"events:orders\" = {example_raw} under [{}]", field.key())
+        }
         Kind::UInt { .. } | Kind::Bool => format!("{} = {example_raw}", field.name),
     };
     match (layer, field.kind) {
         (Some(LayerKind::Env), Kind::StrMap) => format!(
             "; set one entry per variable, e.g. {}__OrderPlaced={example_raw}",
+            layers::env_var_name(&field.key())
+        ),
+        (Some(LayerKind::Env), Kind::UIntMap { .. }) => format!(
+            "; set one entry per variable, e.g. {}__orders={example_raw}",
             layers::env_var_name(&field.key())
         ),
         (Some(LayerKind::Env), _) => format!(
@@ -305,6 +317,9 @@ fn fix_hint(field: &Field, layer: Option<LayerKind>) -> String {
         ),
         (Some(LayerKind::Flag), Kind::StrMap) => {
             format!("; use e.g. --set {}.OrderPlaced={example_raw}", field.key())
+        }
+        (Some(LayerKind::Flag), Kind::UIntMap { .. }) => {
+            format!("; use e.g. --set {}.orders={example_raw}", field.key())
         }
         (Some(LayerKind::Flag), _) => format!("; use e.g. --set {}={example_raw}", field.key()),
         (Some(LayerKind::File) | None, _) => format!("; write it as e.g. {example_toml}"),

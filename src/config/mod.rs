@@ -430,6 +430,9 @@ pub struct RateLimitConfig {
     pub per_stream_per_sec: u32,
     /// Burst size; 0 means "same as the rate".
     pub burst: u32,
+    /// Events per second of named streams (the name a route gives, without the key prefix),
+    /// instead of `per_stream_per_sec`; 0 makes a stream unlimited.
+    pub streams: BTreeMap<String, u32>,
 }
 
 impl RateLimitConfig {

@@ -18,6 +18,8 @@ pub(crate) enum Kind {
     Bool,
     /// A table of string values (`routing.overrides`).
     StrMap,
+    /// A table of unsigned integers within `min..=max` (`rate_limit.streams`).
+    UIntMap { min: u64, max: u64 },
     /// A list of strings (`routing.no_destination`).
     StrList,
 }
@@ -52,6 +54,9 @@ impl Field {
             }
             Kind::Bool => "true or false".to_owned(),
             Kind::StrMap => "a table of event type = stream template strings".to_owned(),
+            Kind::UIntMap { min, max } => {
+                format!("a table of stream name = whole number from {min} to {max}")
+            }
             Kind::StrList => "a list of strings".to_owned(),
         }
     }
@@ -155,6 +160,15 @@ pub(crate) const FIELDS: &[Field] = &[
         u32::MAX as u64,
         "events, 0 = same as the rate",
     ),
+    Field {
+        section: "rate_limit",
+        name: "streams",
+        kind: Kind::UIntMap {
+            min: 0,
+            max: u32::MAX as u64,
+        },
+        unit: "events per second, 0 = unlimited",
+    },
     field("retention", "enabled", Kind::Bool),
     uint("retention", "published_secs", 1, TEN_YEARS, SECS),
     uint("retention", "no_destination_secs", 1, TEN_YEARS, SECS),

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use metrics::{counter, histogram};
 
-use super::ratelimit::RateLimits;
+use super::ratelimit::{RateLimits, Refused};
 use super::route::{Route, Router};
 use super::settle::{Origin, PartitionCalls, Settlement, failure, settle};
 use super::streams::StreamBook;
@@ -113,12 +113,21 @@ pub struct Worker {
 pub enum BatchOutcome {
     /// Nothing was ready.
     Idle,
+    /// The rows found wait for a rate-limit permit: nothing was published, the rows stay
+    /// pending, and the partition tries again after `retry_in`.
+    Limited {
+        /// When the cluster's budget has room for the batch.
+        retry_in: Duration,
+    },
     /// Rows were handled. `full`: the claim hit its row limit, so more may be ready.
+    /// `deferred`: some rows wait for a rate-limit permit, which should come after this long.
     Done {
         /// Rows claimed.
         claimed: usize,
         /// The claim returned `batch_rows` rows.
         full: bool,
+        /// Rows of rate-limited streams stayed pending; try again after this long.
+        deferred: Option<Duration>,
     },
 }
 
@@ -163,6 +172,15 @@ struct Plan {
 }
 
 impl Plan {
+    /// Nothing to publish or record.
+    fn is_empty(&self) -> bool {
+        let r = &self.result;
+        self.batches.is_empty()
+            && r.failed.is_empty()
+            && r.no_destination.is_empty()
+            && r.unblocked.is_empty()
+    }
+
     /// Records the failure of `origin`'s row before publishing (unroutable, oversize, not
     /// encodable, not decodable).
     fn fail(
@@ -185,6 +203,8 @@ struct Planned {
     plan: Plan,
     /// Rows its claim returned.
     claimed: usize,
+    /// Some rows wait for a rate-limit permit, expected after this long.
+    deferred: Option<Duration>,
 }
 
 type Outcome = Result<BatchOutcome, BatchError>;
@@ -291,27 +311,47 @@ pub async fn run_group(
         .collect();
     claimed(&empty);
     let mut outcomes: Vec<Option<Outcome>> = vec![None; leases.len()];
+    let found: Vec<(usize, Vec<ClaimedEvent>)> = leases
+        .iter()
+        .enumerate()
+        .filter_map(|(i, lease)| by_partition.remove(&lease.partition).map(|rows| (i, rows)))
+        .collect();
+    let refusals = permits(worker, leases, &found).await;
     let mut plans: Vec<Planned> = Vec::new();
-    for (i, lease) in leases.iter().enumerate() {
-        match by_partition.remove(&lease.partition) {
-            None => outcomes[i] = Some(Ok(BatchOutcome::Idle)),
-            Some(rows) => {
-                let claimed = rows.len();
-                let plan = plan(
-                    &worker.shared.router,
-                    &worker.publisher,
-                    &worker.shared.streams,
-                    settings,
-                    rows,
-                    lease,
-                );
-                plans.push(Planned {
-                    index: i,
-                    plan,
-                    claimed,
-                });
+    for ((i, rows), refused) in found.into_iter().zip(refusals) {
+        let refused = match refused {
+            Ok(r) => r,
+            Err(e) => {
+                outcomes[i] = Some(Err(e));
+                continue;
             }
+        };
+        let claimed = rows.len();
+        let plan = plan(
+            &worker.shared.router,
+            &worker.publisher,
+            &worker.shared.streams,
+            settings,
+            rows,
+            &leases[i],
+            &refused,
+        );
+        if !refused.streams.is_empty() {
+            counter!(m::RATE_LIMITED_WAITS).increment(1);
         }
+        if plan.is_empty() {
+            // Everything found waits for a permit (or was cut behind a row that does).
+            outcomes[i] = Some(Ok(BatchOutcome::Limited {
+                retry_in: refused.retry_in,
+            }));
+            continue;
+        }
+        plans.push(Planned {
+            index: i,
+            plan,
+            claimed,
+            deferred: (!refused.streams.is_empty()).then_some(refused.retry_in),
+        });
     }
     if plans.is_empty() {
         return outcomes
@@ -342,9 +382,30 @@ pub async fn run_group(
     finish(outcomes)
 }
 
-/// Rate-limits, publishes and marks what was claimed for some of `leases`; each partition's
-/// outcome with its index in `leases`.
+/// Publishes and marks what was claimed for some of `leases`; each partition's outcome with its
+/// index in `leases`, saying when rows left waiting for a rate-limit permit should be tried.
 async fn deliver(
+    worker: &Worker,
+    leases: &[LeaseRef],
+    plans: Vec<Planned>,
+    per_rows: u32,
+) -> Vec<(usize, Outcome)> {
+    let deferred: Vec<(usize, Duration)> = plans
+        .iter()
+        .filter_map(|p| p.deferred.map(|d| (p.index, d)))
+        .collect();
+    let mut out = settle_and_mark(worker, leases, plans, per_rows).await;
+    for (i, outcome) in &mut out {
+        if let Ok(BatchOutcome::Done { deferred: d, .. }) = outcome {
+            *d = deferred.iter().find(|(j, _)| j == i).map(|(_, d)| *d);
+        }
+    }
+    out
+}
+
+/// Publishes and marks what was claimed for some of `leases`: [`deliver`] without the rate
+/// limits' bookkeeping.
+async fn settle_and_mark(
     worker: &Worker,
     leases: &[LeaseRef],
     mut plans: Vec<Planned>,
@@ -353,18 +414,6 @@ async fn deliver(
     let settings = &worker.shared.settings;
     let mut out: Vec<(usize, Outcome)> = Vec::with_capacity(plans.len());
 
-    for p in &plans {
-        for b in &p.plan.batches {
-            if worker
-                .shared
-                .limits
-                .acquire(&b.stream, b.entries.len())
-                .await
-            {
-                counter!(m::RATE_LIMITED_WAITS).increment(1);
-            }
-        }
-    }
     if !worker.shared.deadline.valid() {
         let e = BatchError::LeaseLost(
             "the lease may have expired (no renewal in time); not publishing".to_owned(),
@@ -559,6 +608,7 @@ fn done(claimed: usize, per_rows: u32) -> BatchOutcome {
     BatchOutcome::Done {
         claimed,
         full: claimed >= per_rows as usize,
+        deferred: None,
     }
 }
 
@@ -640,10 +690,108 @@ fn note_replies(book: &StreamBook, calls: &[StreamBatch], replies: &[StreamOutco
     }
 }
 
+/// The rate-limit permits of each partition's rows in `found` (index in `leases`, rows): the
+/// streams each may not append to yet. Rows are counted per stream as routing sends them (an
+/// upper bound of what the batch appends: rows cut or failed in the plan take permits too).
+async fn permits(
+    worker: &Worker,
+    leases: &[LeaseRef],
+    found: &[(usize, Vec<ClaimedEvent>)],
+) -> Vec<Result<Refused, BatchError>> {
+    let limits = &worker.shared.limits;
+    if !limits.any() {
+        return found.iter().map(|_| Ok(Refused::default())).collect();
+    }
+    let wants: Vec<Vec<(String, usize)>> = found
+        .iter()
+        .map(|(i, rows)| {
+            let mut routes: Vec<(RouteKey, Option<String>)> = Vec::new();
+            let mut counts: Vec<(String, usize)> = Vec::new();
+            for row in rows.iter().filter(|r| r.undecodable.is_none()) {
+                let stream = match routes.iter().find(|((t, e, d), _)| {
+                    *t == row.aggregate_type && *e == row.event_type && *d == row.destination
+                }) {
+                    Some((_, s)) => s.clone(),
+                    None => {
+                        let s = stream_for(
+                            &worker.shared.router,
+                            &worker.publisher,
+                            row,
+                            leases[*i].partition,
+                        )
+                        .ok()
+                        .flatten();
+                        let key = (
+                            row.aggregate_type.clone(),
+                            row.event_type.clone(),
+                            row.destination.clone(),
+                        );
+                        routes.push((key, s.clone()));
+                        s
+                    }
+                };
+                let Some(stream) = stream else { continue };
+                match counts.iter_mut().find(|(s, _)| *s == stream) {
+                    Some(c) => c.1 += 1,
+                    None => counts.push((stream, 1)),
+                }
+            }
+            counts
+        })
+        .collect();
+    let calls: Vec<Vec<(&str, usize)>> = wants
+        .iter()
+        .map(|w| w.iter().map(|(s, n)| (s.as_str(), *n)).collect())
+        .collect();
+    limits
+        .take(worker.publisher.connection(), &calls)
+        .await
+        .into_iter()
+        .map(|r| {
+            r.map_err(|e| {
+                counter!(m::FAILURES, "kind" => "transient", "code" => e.0.code().to_owned())
+                    .increment(1);
+                BatchError::Transient(e.to_string())
+            })
+        })
+        .collect()
+}
+
+/// The stream key `row` goes to in `partition` (`None`: no destination), or why it cannot be
+/// routed.
+fn stream_for(
+    router: &Router,
+    publisher: &Publisher,
+    row: &ClaimedEvent,
+    partition: i32,
+) -> Result<Option<String>, String> {
+    match router.route(
+        &row.aggregate_type,
+        &row.event_type,
+        partition,
+        row.destination.as_deref(),
+    ) {
+        Ok(Route::NoDestination) => Ok(None),
+        Ok(Route::Stream(name)) => Ok(Some(publisher.stream_key(&name))),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 /// `(aggregate type, event type, destination)`: what routing depends on.
 type RouteKey = (String, String, Option<String>);
-/// The index of a route's stream batch, `None` for no destination, or why it cannot be routed.
-type RouteResult = Result<Option<usize>, String>;
+/// Where a route's rows go, or why they cannot be routed.
+type RouteResult = Result<Target, String>;
+
+/// Where a route's rows go in a plan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Target {
+    /// Nowhere: no destination.
+    Nowhere,
+    /// The plan's stream batch at this index.
+    Batch(usize),
+    /// A stream that has no rate-limit permit yet: the row and the rest of its aggregate wait.
+    Waiting,
+}
 
 /// Routes and encodes claimed rows into per-stream batches, keeping each aggregate's order:
 /// an aggregate whose rows in this batch would go to two streams is cut before the second one
@@ -655,6 +803,7 @@ fn plan(
     settings: &RelaySettings,
     rows: Vec<ClaimedEvent>,
     lease: &LeaseRef,
+    refused: &Refused,
 ) -> Plan {
     let mut plan = Plan::default();
     // Routes of this batch: most rows share an aggregate type, event type and destination, so
@@ -692,19 +841,14 @@ fn plan(
         let route = match known_route {
             Some((_, r)) => r.clone(),
             None => {
-                let r = match router.route(
-                    &row.aggregate_type,
-                    &row.event_type,
-                    lease.partition,
-                    row.destination.as_deref(),
-                ) {
-                    Ok(Route::NoDestination) => Ok(None),
-                    Ok(Route::Stream(name)) => {
+                let r = match stream_for(router, publisher, &row, lease.partition) {
+                    Ok(None) => Ok(Target::Nowhere),
+                    Ok(Some(stream)) if refused.holds(&stream) => Ok(Target::Waiting),
+                    Ok(Some(stream)) => {
                         // Several routes may name one stream: they share its batch, so an
                         // aggregate's entries in a stream stay in one call, in order.
-                        let stream = publisher.stream_key(&name);
                         match plan.batches.iter().position(|b| b.stream == stream) {
-                            Some(idx) => Ok(Some(idx)),
+                            Some(idx) => Ok(Target::Batch(idx)),
                             None => {
                                 plan.batches.push(StreamBatch {
                                     known: book.is_known(&stream),
@@ -715,11 +859,11 @@ fn plan(
                                     entries: Vec::new(),
                                 });
                                 plan.origins.push(Vec::new());
-                                Ok(Some(plan.batches.len() - 1))
+                                Ok(Target::Batch(plan.batches.len() - 1))
                             }
                         }
                     }
-                    Err(e) => Err(e.to_string()),
+                    Err(e) => Err(e),
                 };
                 let combination = (
                     row.aggregate_type.clone(),
@@ -731,7 +875,11 @@ fn plan(
             }
         };
         let idx = match route {
-            Ok(None) => {
+            Ok(Target::Waiting) => {
+                aggregates.insert(key, None);
+                continue;
+            }
+            Ok(Target::Nowhere) => {
                 plan.result.no_destination.push(row.id);
                 if origin.attempts > 0 {
                     // An event that failed before and is now routed nowhere (an operator's fix
@@ -744,7 +892,7 @@ fn plan(
                 }
                 continue;
             }
-            Ok(Some(idx)) => idx,
+            Ok(Target::Batch(idx)) => idx,
             Err(e) => {
                 plan.fail(
                     settings,

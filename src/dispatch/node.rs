@@ -223,7 +223,9 @@ async fn boot(config: Config) -> Result<Booted, NodeError> {
 
     let shared = Arc::new(Shared {
         router: Router::new(&config.routing),
-        limits: RateLimits::new(&config.rate_limit),
+        limits: RateLimits::new(&config.rate_limit, &config.redis.key_prefix, |name| {
+            publisher.stream_key(name)
+        }),
         settings: RelaySettings {
             batch_rows: config.relay.batch_rows,
             batch_bytes: config.relay.batch_bytes as u64,

@@ -160,6 +160,22 @@ impl PartitionActor {
                 counter!(m::ACTOR_RESTARTS).increment(1);
                 ctx.stop();
             }
+            Ok(Ok(BatchOutcome::Limited { retry_in })) => {
+                // Not a failure: the cluster's budget has no room for this batch yet. The rows
+                // stay pending; wake-ups meanwhile do not bring the retry forward.
+                self.failures = 0;
+                self.panics = 0;
+                self.backlog = true;
+                if self.stopping {
+                    self.finish();
+                } else {
+                    self.backing_off = true;
+                    ctx.run_later(retry_in, |act, ctx| {
+                        act.backing_off = false;
+                        act.next_batch(ctx);
+                    });
+                }
+            }
             Ok(Ok(outcome)) => {
                 self.failures = 0;
                 self.panics = 0;
@@ -170,6 +186,20 @@ impl PartitionActor {
                 } else if more || self.again {
                     // A full batch, or a wake-up during the batch: more rows may be ready.
                     self.next_batch(ctx);
+                } else if let BatchOutcome::Done {
+                    deferred: Some(wait),
+                    ..
+                } = outcome
+                {
+                    // Rows of a rate-limited stream stayed pending: try again when the budget
+                    // has room; a wake-up meanwhile runs a batch for the other streams' rows.
+                    ctx.run_later(wait, |act, ctx| {
+                        if act.running {
+                            act.again = true;
+                        } else if !act.backing_off {
+                            act.next_batch(ctx);
+                        }
+                    });
                 } else {
                     self.report
                         .do_send(PartitionReport::Idle(p, self.lease.epoch, self.last_wake));

@@ -810,11 +810,18 @@ impl NodeSupervisor {
             }
             match outcome {
                 Ok(BatchOutcome::Idle) => {}
-                Ok(BatchOutcome::Done { full, .. }) => {
+                Ok(BatchOutcome::Done { full, deferred, .. }) => {
                     found = true;
-                    if full {
+                    // A partition with rows waiting for a rate-limit permit goes to its actor,
+                    // which tries them again when the budget has room.
+                    if full || deferred.is_some() {
                         wake.push(lease.partition);
                     }
+                }
+                Ok(BatchOutcome::Limited { .. }) => {
+                    // The actor waits for the permit (and keeps waiting for it on its own).
+                    found = true;
+                    wake.push(lease.partition);
                 }
                 Err(e) => {
                     tracing::debug!(partition = lease.partition, error = %e, "the busy poll's batch failed; the actor takes over");

@@ -711,7 +711,11 @@ pub async fn worker(
     .expect("publisher");
     let shared = Shared {
         router: outpost::dispatch::route::Router::new(&config.routing),
-        limits: outpost::dispatch::ratelimit::RateLimits::new(&config.rate_limit),
+        limits: outpost::dispatch::ratelimit::RateLimits::new(
+            &config.rate_limit,
+            &redis.prefix,
+            |name| publisher.stream_key(name),
+        ),
         settings: RelaySettings {
             batch_rows: 100,
             batch_bytes: 1 << 20,
