@@ -328,10 +328,8 @@ pub async fn run_group(
         };
         let claimed = rows.len();
         let plan = plan(
-            &worker.shared.router,
+            &worker.shared,
             &worker.publisher,
-            &worker.shared.streams,
-            settings,
             rows,
             &leases[i],
             &refused,
@@ -797,14 +795,18 @@ enum Target {
 /// an aggregate whose rows in this batch would go to two streams is cut before the second one
 /// (the rest waits for the next batch), and an aggregate with a failed row stops there.
 fn plan(
-    router: &Router,
+    shared: &Shared,
     publisher: &Publisher,
-    book: &StreamBook,
-    settings: &RelaySettings,
     rows: Vec<ClaimedEvent>,
     lease: &LeaseRef,
     refused: &Refused,
 ) -> Plan {
+    let (router, book, settings, limits) = (
+        &shared.router,
+        &shared.streams,
+        &shared.settings,
+        &shared.limits,
+    );
     let mut plan = Plan::default();
     // Routes of this batch: most rows share an aggregate type, event type and destination, so
     // each distinct combination is routed once.
@@ -814,6 +816,8 @@ fn plan(
     // only make two aggregates wait for the next batch together, never reorder either).
     let mut aggregates: HashMap<u64, Option<usize>> = HashMap::new();
     let keys = std::collections::hash_map::RandomState::new();
+    // Entries in the plan's stream batches.
+    let mut entries = 0usize;
     for row in rows {
         let key = keys.hash_one((&row.aggregate_type, &row.aggregate_id));
         if matches!(aggregates.get(&key), Some(None)) {
@@ -912,6 +916,17 @@ fn plan(
             }
             _ => {}
         }
+        // A batch appends no more than a rate limit's burst: the rest waits for the next one.
+        let full = |cap: Option<usize>, n: usize| cap.is_some_and(|c| n >= c);
+        if full(
+            limits.stream_cap(&plan.batches[idx].stream),
+            plan.batches[idx].entries.len(),
+        ) || full(limits.total_cap(), entries)
+        {
+            aggregates.insert(key, None);
+            continue;
+        }
+        entries += 1;
         let size = row.payload.len() + row.headers.len();
         if row.payload.len() > settings.max_payload_bytes {
             let err = PublishError::event(

@@ -1,20 +1,23 @@
 //! Rate limits: global and per stream, for the whole cluster. A limit delays publishing; it
 //! never drops or fails an event.
 //!
-//! Every node takes its permits from one budget kept in Redis, so a limit is the cluster's
-//! whatever the number of nodes and however the partitions are spread over them. Each budget
-//! is a GCRA bucket (the generic cell rate algorithm, as in `governor`): one key holding the
-//! bucket's theoretical arrival time, in microseconds of Redis's clock. One script call takes
-//! every permit a partition's batch needs (the global budget and each of its streams'), all or
-//! none, so a batch is never half-permitted.
+//! Every node takes its permits from one budget per limit kept in Redis, so a limit is the
+//! cluster's whatever the number of nodes and however the partitions are spread over them. Each
+//! budget is a GCRA bucket (the generic cell rate algorithm, as in `governor`): one key holding
+//! the bucket's theoretical arrival time, in microseconds of Redis's clock. One script call per
+//! partition's batch asks every bucket the batch needs: each limited stream's bucket grants its
+//! permits or not, then the global bucket must grant the sum of what was granted, or nothing is
+//! taken at all.
 //!
-//! Permits are taken per partition's batch and never waited for while holding anything: a
-//! batch refused a permit publishes nothing, its rows stay pending, and its partition tries
-//! again when the script says the budget will have room ([`Permit::Wait`]). The other
-//! partitions of its group go on; a slow stream never holds up another stream's partitions.
+//! Permits are asked for right after the claim and never waited for while holding anything:
+//! the rows bound for a stream that has no permit yet, and the rest of their aggregates, stay
+//! pending ([`Refused`]); the partition's other rows are published, the group's other
+//! partitions are not held up, and the partition tries again when the script says the budget
+//! will have room.
 //!
-//! A batch needing more permits than a bucket's burst goes through when that bucket is full,
-//! and the permits after it wait for what it used: the long-run rate stays the limit.
+//! A batch appends at most a bucket's burst of entries ([`RateLimits::stream_cap`],
+//! [`RateLimits::total_cap`]; the plan cuts the aggregates beyond it), so in any stretch of time
+//! `t` a limited stream gets at most `burst + rate × t` entries from the whole cluster.
 
 use std::collections::HashMap;
 use std::num::NonZeroU32;
@@ -28,8 +31,9 @@ use crate::publish::{PublishError, RedisConn, hash_tag};
 
 /// KEYS: the global bucket when ARGV[1] is `1`, then the buckets of limited streams. ARGV[2]:
 /// permits the global bucket owes to streams without a limit of their own; then, three per key:
-/// the emission interval and the burst tolerance in microseconds, and the permits wanted (the
-/// global bucket's count is what the streams granted add to ARGV[2]).
+/// the emission interval and the burst tolerance in microseconds, and the permits wanted (for
+/// the global bucket, its burst: it grants what the streams granted add to ARGV[2], at most
+/// that).
 ///
 /// Each stream bucket grants its permits or not on its own. Then the global bucket must grant
 /// the sum of what was granted; when it cannot, nothing at all is taken. Returns the global
@@ -69,6 +73,7 @@ for i = first, #KEYS do
   if wait == 0 then total = total + tonumber(ARGV[3 * i + 2]) end
 end
 local out = {0}
+if global then total = math.min(total, tonumber(ARGV[5])) end
 if global and total > 0 then
   local wait, nxt = ask(1, total)
   if wait > 0 then
@@ -92,6 +97,8 @@ static SCRIPT: LazyLock<redis::Script> = LazyLock::new(|| redis::Script::new(LUA
 struct Quota {
     interval_us: f64,
     tolerance_us: f64,
+    /// The most permits one batch takes: a batch appends no more than this.
+    burst: usize,
 }
 
 impl Quota {
@@ -100,6 +107,7 @@ impl Quota {
         Self {
             interval_us,
             tolerance_us: interval_us * f64::from(burst.get()),
+            burst: usize::try_from(burst.get()).unwrap_or(usize::MAX),
         }
     }
 }
@@ -165,6 +173,20 @@ impl RateLimits {
         }
     }
 
+    /// The most entries one batch may append to `stream` (the burst of its bucket), or `None`
+    /// when the stream has no limit of its own.
+    pub fn stream_cap(&self, stream: &str) -> Option<usize> {
+        match self.streams.get(stream) {
+            Some(q) => q.map(|q| q.burst),
+            None => self.per_stream.map(|q| q.burst),
+        }
+    }
+
+    /// The most entries one batch may append over all streams (the global burst).
+    pub fn total_cap(&self) -> Option<usize> {
+        self.global.map(|q| q.burst)
+    }
+
     /// Whether any limit applies.
     pub fn any(&self) -> bool {
         self.global.is_some()
@@ -187,8 +209,8 @@ impl RateLimits {
             match quota {
                 None => wants.base += n,
                 Some(q) => match wants.streams.iter_mut().find(|w| w.0 == stream) {
-                    Some(w) => w.2 += n,
-                    None => wants.streams.push((stream, q, n)),
+                    Some(w) => w.2 = (w.2 + n).min(q.burst),
+                    None => wants.streams.push((stream, q, n.min(q.burst))),
                 },
             }
         }
@@ -224,7 +246,7 @@ impl RateLimits {
                     .key(format!("{}global", self.key_base))
                     .arg(q.interval_us)
                     .arg(q.tolerance_us)
-                    .arg(0);
+                    .arg(q.burst);
             }
             for (stream, q, n) in &wants.streams {
                 invocation

@@ -146,7 +146,8 @@ impl Store {
     pub async fn truncate_outbox(&self) -> Result<(), StoreError> {
         self.connection()
             .execute_unprepared(
-                "TRUNCATE outpost_event, outpost_published, outpost_aggregate, outpost_stream",
+                "TRUNCATE outpost_event, outpost_published, outpost_aggregate, outpost_stream, \
+                 outpost_stream_position",
             )
             .await
             .map_err(StoreError::from_db)?;
