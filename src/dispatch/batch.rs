@@ -339,8 +339,12 @@ pub async fn run_group(
         }
         if plan.is_empty() {
             // Everything found waits for a permit (or was cut behind a row that does).
-            outcomes[i] = Some(Ok(BatchOutcome::Limited {
-                retry_in: refused.retry_in,
+            outcomes[i] = Some(Ok(if refused.streams.is_empty() {
+                BatchOutcome::Idle
+            } else {
+                BatchOutcome::Limited {
+                    retry_in: refused.retry_in,
+                }
             }));
             continue;
         }
