@@ -63,7 +63,7 @@ pub(crate) struct Applier<H> {
 
 impl<H: Handler> Applier<H> {
     /// Processes `d`: applies it if it is its aggregate's next event for the group. An event
-    /// ahead of a gap is held, or, with `give_up_gap` (it was held for `order_wait` after its
+    /// ahead of a gap is held, or, with `give_up_gap` (it was held for `claim_idle` after its
     /// last allowed delivery), dead-lettered without moving the group's position.
     pub async fn process(&self, d: &Delivery, give_up_gap: bool) -> Outcome {
         let (txn, pos) = match self.begin_locked(d).await {

@@ -15,8 +15,10 @@
 //!    it.
 //!
 //! Aggregates are processed in parallel (up to `concurrency` at a time), each one's events one
-//! after the other in sequence order. Entries left pending by a member that died are reclaimed
-//! after `claim_idle`. A handler failure is retried with back-off until the group has delivered
+//! after the other in sequence order. An event ahead of a gap is held and released as soon as
+//! the group's position reaches it. Members keep a liveness key; the entries left pending by a
+//! member that died are taken over after `member_timeout`, and entries pending at a member that
+//! is alive but stuck are reclaimed after `claim_idle`. A handler failure is retried with back-off until the group has delivered
 //! the entry `max_deliveries` times (or at once, for a permanent failure); then the entry goes to
 //! the dead-letter stream with the error and its original fields, the aggregate moves on, and
 //! the entry is acknowledged. Entries that leave the stream (trimming) before the group
@@ -106,9 +108,10 @@ pub struct ConsumerSettings {
     pub retry_backoff: Duration,
     /// How per-aggregate order is enforced.
     pub order: OrderMode,
-    /// How long an event that arrived ahead of a gap is held before it is claimed again (a
-    /// delivery counted; after `max_deliveries` it goes to the dead-letter stream as a gap).
-    /// Held events are released as soon as their gap fills. Shorter than `claim_idle`.
+    /// How often an event held ahead of a gap is claimed again by its member, so that no other
+    /// member reclaims it (a delivery is counted once per `claim_idle` of holding; held for
+    /// `claim_idle` after its `max_deliveries`-th delivery, it goes to the dead-letter stream as
+    /// a gap). Held events are released as soon as their gap fills. Shorter than `claim_idle`.
     pub order_wait: Duration,
     /// A member that has not renewed its liveness key for this long (it renews every third of
     /// it) and has not read or claimed meanwhile is dead: its pending entries are taken over by
@@ -286,6 +289,13 @@ pub struct ConsumerStats {
 /// aggregates (one statement for all of them) to release those whose gap filled.
 const HOLD_POLL: Duration = Duration::from_millis(20);
 
+/// When a held entry was last claimed again (its idle time reset) and last counted a delivery.
+#[derive(Debug, Clone, Copy)]
+struct Hold {
+    renewed: Instant,
+    counted: Instant,
+}
+
 /// An entry kept for another try.
 struct Later {
     delivery: Delivery,
@@ -302,9 +312,8 @@ pub struct Consumer<H> {
     later: Vec<Later>,
     /// Entries held ahead of a gap, released when the group's position reaches them.
     held: Vec<Delivery>,
-    /// When each held entry (by stream id) began its current hold: it is claimed again, or
-    /// given up on, `order_wait` later.
-    held_since: HashMap<String, Instant>,
+    /// When each held entry (by stream id) was last renewed and last counted a delivery.
+    holds: HashMap<String, Hold>,
     /// When to read the positions of the held entries' aggregates next.
     next_hold_check: Instant,
     claim_cursor: String,
@@ -362,7 +371,7 @@ impl<H: Handler> Consumer<H> {
             stream,
             later: Vec::new(),
             held: Vec::new(),
-            held_since: HashMap::new(),
+            holds: HashMap::new(),
             next_hold_check: Instant::now(),
             claim_cursor: "0-0".to_owned(),
             next_claim: Instant::now(),
@@ -503,8 +512,8 @@ impl<H: Handler> Consumer<H> {
         }
         if !self.held.is_empty() {
             until = until.min(self.next_hold_check);
-            if let Some(since) = self.held_since.values().min() {
-                until = until.min(*since + self.settings.order_wait);
+            if let Some(renewed) = self.holds.values().map(|h| h.renewed).min() {
+                until = until.min(renewed + self.settings.order_wait);
             }
         }
         until
@@ -666,57 +675,104 @@ impl<H: Handler> Consumer<H> {
                 .increment(released.len() as u64);
         }
         let wait = self.settings.order_wait;
-        let since = &self.held_since;
-        let (expired, stay): (Vec<Delivery>, Vec<Delivery>) = std::mem::take(&mut self.held)
-            .into_iter()
-            .partition(|d| since.get(&d.stream_id).is_some_and(|t| now >= *t + wait));
+        let holds = &self.holds;
+        let (expired, stay): (Vec<Delivery>, Vec<Delivery>) =
+            std::mem::take(&mut self.held).into_iter().partition(|d| {
+                holds
+                    .get(&d.stream_id)
+                    .is_some_and(|h| now >= h.renewed + wait)
+            });
         self.held = stay;
         (released, expired)
     }
 
-    /// Held entries whose hold ran out: claimed again by this member (a delivery counted, and
-    /// their idle time reset, so no other member reclaims them) and held again; those already
-    /// delivered `max_deliveries` times are returned, to be given up on.
+    /// Held entries whose hold ran out (`order_wait`): claimed again by this member, which
+    /// resets their idle time so no other member reclaims them, and held again. The claim
+    /// counts a delivery only once the entry has been held for `claim_idle` since it last
+    /// counted one (as a reclaim would have); an entry due to count one that has already been
+    /// delivered `max_deliveries` times is returned instead, to be given up on.
     async fn renew_expired(&mut self, expired: Vec<Delivery>) -> Vec<Delivery> {
-        let (give_up, renew): (Vec<Delivery>, Vec<Delivery>) = expired
-            .into_iter()
-            .partition(|d| d.deliveries >= self.settings.max_deliveries);
-        if renew.is_empty() {
-            return give_up;
-        }
-        let ids: Vec<String> = renew.iter().map(|d| d.stream_id.clone()).collect();
         let now = Instant::now();
-        match self.stream.claim(&ids).await {
-            Ok(entries) => {
-                // Entries acknowledged meanwhile (another member applied a copy) are not
-                // returned: they are done.
-                let counts: HashMap<String, u32> =
-                    entries.into_iter().map(|e| (e.id, e.deliveries)).collect();
-                for mut d in renew {
-                    match counts.get(&d.stream_id) {
-                        Some(n) => {
-                            d.deliveries = *n;
-                            self.held_since.insert(d.stream_id.clone(), now);
-                            self.held.push(d);
+        let claim_idle = self.settings.claim_idle;
+        let mut give_up = Vec::new();
+        let (mut count, mut touch) = (Vec::new(), Vec::new());
+        for d in expired {
+            let due = self
+                .holds
+                .get(&d.stream_id)
+                .is_none_or(|h| now >= h.counted + claim_idle);
+            if !due {
+                touch.push(d);
+            } else if d.deliveries >= self.settings.max_deliveries {
+                give_up.push(d);
+            } else {
+                count.push(d);
+            }
+        }
+        if !count.is_empty() {
+            let ids: Vec<String> = count.iter().map(|d| d.stream_id.clone()).collect();
+            let counts = match self.stream.claim(&ids).await {
+                Ok(entries) => Some(
+                    entries
+                        .into_iter()
+                        .map(|e| (e.id, e.deliveries))
+                        .collect::<HashMap<_, _>>(),
+                ),
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not claim held entries again; holding them on");
+                    None
+                }
+            };
+            for mut d in count {
+                match counts.as_ref().map(|c| c.get(&d.stream_id)) {
+                    // Acknowledged meanwhile (another member applied a copy): done.
+                    Some(None) => {
+                        self.holds.remove(&d.stream_id);
+                    }
+                    Some(Some(n)) => {
+                        d.deliveries = *n;
+                        self.holds.insert(
+                            d.stream_id.clone(),
+                            Hold {
+                                renewed: now,
+                                counted: now,
+                            },
+                        );
+                        self.held.push(d);
+                    }
+                    None => {
+                        if let Some(h) = self.holds.get_mut(&d.stream_id) {
+                            h.renewed = now;
                         }
-                        None => {
-                            self.held_since.remove(&d.stream_id);
-                        }
+                        self.held.push(d);
                     }
                 }
             }
-            Err(e) => {
-                tracing::warn!(error = %e, "could not claim held entries again; holding them on");
-                for d in renew {
-                    self.held_since.insert(d.stream_id.clone(), now);
-                    self.held.push(d);
+        }
+        if !touch.is_empty() {
+            let ids: Vec<String> = touch.iter().map(|d| d.stream_id.clone()).collect();
+            let still = match self.stream.touch(&ids).await {
+                Ok(still) => Some(still.into_iter().collect::<HashSet<String>>()),
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not renew held entries; holding them on");
+                    None
                 }
+            };
+            for d in touch {
+                if still.as_ref().is_some_and(|s| !s.contains(&d.stream_id)) {
+                    self.holds.remove(&d.stream_id);
+                    continue;
+                }
+                if let Some(h) = self.holds.get_mut(&d.stream_id) {
+                    h.renewed = now;
+                }
+                self.held.push(d);
             }
         }
         give_up
     }
 
-    /// Processes entries held for `order_wait` after their last allowed delivery: still ahead
+    /// Processes entries held for `claim_idle` after their last allowed delivery: still ahead
     /// of a gap, they go to the dead-letter stream; otherwise they are applied.
     async fn give_up_on_gaps(&mut self, entries: Vec<Delivery>) -> Result<(), ConsumeError> {
         let mut acks = Vec::new();
@@ -860,14 +916,17 @@ impl<H: Handler> Consumer<H> {
         let now = Instant::now();
         self.note(&outcome);
         if !matches!(outcome, Outcome::Held { .. }) {
-            self.held_since.remove(&d.stream_id);
+            self.holds.remove(&d.stream_id);
         }
         match outcome {
             Outcome::Applied | Outcome::Duplicate | Outcome::DeadLettered => {
                 acks.push(d.stream_id);
             }
             Outcome::Held { .. } => {
-                self.held_since.entry(d.stream_id.clone()).or_insert(now);
+                self.holds.entry(d.stream_id.clone()).or_insert(Hold {
+                    renewed: now,
+                    counted: now,
+                });
                 self.held.push(d);
             }
             Outcome::Retry { reason, counted } => {
@@ -978,4 +1037,47 @@ fn retry_wait(base: Duration, deliveries: u32) -> Duration {
     let exp = base.saturating_mul(1u32 << deliveries.saturating_sub(1).min(16));
     let jitter = rand::random::<f64>() * 0.5;
     exp.mul_f64(1.0 + jitter)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use super::*;
+
+    fn settings() -> ConsumerSettings {
+        ConsumerSettings::new("redis://127.0.0.1:6379", "events:order", "billing")
+    }
+
+    fn refused(s: &ConsumerSettings) -> String {
+        match s.validate() {
+            Err(ConsumeError::Settings(m)) => m,
+            other => panic!("expected a settings error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn defaults_are_valid() {
+        settings().validate().expect("defaults validate");
+    }
+
+    #[test]
+    fn member_timeout_is_bounded_and_the_error_says_how_to_fix_it() {
+        let mut s = settings();
+        s.member_timeout = Duration::from_millis(100);
+        let m = refused(&s);
+        assert!(
+            m.contains("member_timeout") && m.contains("at least 300 ms"),
+            "{m}"
+        );
+        s.member_timeout = s.claim_idle;
+        let m = refused(&s);
+        assert!(
+            m.contains("member_timeout") && m.contains("shorter than claim_idle"),
+            "{m}"
+        );
+        assert!(m.contains("lengthen claim_idle"), "{m}");
+        s.member_timeout = Duration::from_millis(300);
+        s.validate().expect("300 ms is allowed");
+    }
 }

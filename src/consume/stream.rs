@@ -479,6 +479,24 @@ impl GroupStream {
             .await
     }
 
+    /// Claims `ids` for this consumer again without counting a delivery (`JUSTID`): resets
+    /// their idle time, so no other member reclaims them. Returns those still pending.
+    pub async fn touch(&self, ids: &[String]) -> Result<Vec<String>, ConsumeError> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        redis::cmd("XCLAIM")
+            .arg(&self.stream)
+            .arg(&self.group)
+            .arg(&self.consumer)
+            .arg(0)
+            .arg(ids)
+            .arg("JUSTID")
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(ConsumeError::redis)
+    }
+
     /// Adds the group's delivery counts to claimed entries.
     async fn with_counts(
         &self,
@@ -667,4 +685,45 @@ fn parse_entries(v: &Value, deliveries: u32) -> Option<Vec<RawEntry>> {
             })
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use super::*;
+
+    fn bulk(s: &str) -> Value {
+        Value::BulkString(s.as_bytes().to_vec())
+    }
+
+    #[test]
+    fn members_parse_from_resp2_lists_and_resp3_maps() {
+        let flat = Value::Array(vec![Value::Array(vec![
+            bulk("name"),
+            bulk("m1"),
+            bulk("pending"),
+            Value::Int(3),
+            bulk("idle"),
+            Value::Int(4500),
+            bulk("inactive"),
+            Value::Int(4500),
+        ])]);
+        let map = Value::Array(vec![Value::Map(vec![
+            (bulk("name"), bulk("m2")),
+            (bulk("pending"), Value::Int(0)),
+            (bulk("idle"), Value::Int(12)),
+        ])]);
+        assert_eq!(
+            parse_consumers(&flat).unwrap(),
+            vec![MemberInfo {
+                name: "m1".into(),
+                pending: 3,
+                idle_ms: 4500
+            }]
+        );
+        assert_eq!(parse_consumers(&map).unwrap()[0].name, "m2");
+        assert!(parse_consumers(&Value::Int(1)).is_none());
+        assert!(parse_consumers(&Value::Array(vec![Value::Array(vec![bulk("name")])])).is_none());
+    }
 }
