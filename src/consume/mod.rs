@@ -175,7 +175,7 @@ impl ConsumerSettings {
             retry_backoff: Duration::from_millis(500),
             order: OrderMode::Strict,
             order_wait: Duration::from_secs(5),
-            member_timeout: Duration::from_secs(3),
+            member_timeout: Duration::from_secs(1),
             dead_letter: None,
             connect_timeout: Duration::from_secs(5),
             response_timeout: Duration::from_secs(5),
@@ -644,25 +644,26 @@ impl<H: Handler> Consumer<H> {
                 Ok(rows) => {
                     let at: HashMap<(String, String), i64> =
                         rows.into_iter().map(|(t, i, s)| ((t, i), s)).collect();
-                    // Of each aggregate, the held entry right after the position goes (the
-                    // later ones go with it, in sequence order, as one chain), and any at or
-                    // below it (a duplicate, or a rewound history: `process` decides).
-                    let (go, stay): (Vec<Delivery>, Vec<Delivery>) =
-                        std::mem::take(&mut self.held).into_iter().partition(|d| {
-                            at.get(&(d.aggregate_type.clone(), d.aggregate_id.clone()))
-                                .is_some_and(|last| d.aggregate_seq <= last + 1)
-                        });
-                    let going: HashSet<(String, String)> = go
-                        .iter()
-                        .map(|d| (d.aggregate_type.clone(), d.aggregate_id.clone()))
-                        .collect();
-                    let (with, stay): (Vec<Delivery>, Vec<Delivery>) =
-                        stay.into_iter().partition(|d| {
-                            going.contains(&(d.aggregate_type.clone(), d.aggregate_id.clone()))
-                        });
-                    self.held = stay;
-                    released = go;
-                    released.extend(with);
+                    // Of each aggregate, the held entries at or below the position (a
+                    // duplicate, or a rewound history: `process` decides) go, and the run of
+                    // consecutive sequences from the one right after it, as one chain; the
+                    // entries beyond the next gap stay held.
+                    let mut reach: HashMap<(String, String), i64> =
+                        at.into_iter().map(|(k, last)| (k, last + 1)).collect();
+                    let mut held = std::mem::take(&mut self.held);
+                    held.sort_by_key(|d| d.aggregate_seq);
+                    for d in held {
+                        let key = (d.aggregate_type.clone(), d.aggregate_id.clone());
+                        match reach.get_mut(&key) {
+                            Some(next) if d.aggregate_seq <= *next => {
+                                if d.aggregate_seq == *next {
+                                    *next += 1;
+                                }
+                                released.push(d);
+                            }
+                            _ => self.held.push(d),
+                        }
+                    }
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "could not read the positions of held entries");
