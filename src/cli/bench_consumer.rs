@@ -2,10 +2,11 @@
 //! and positions in PostgreSQL, with one and with two group members, against a bare consumer
 //! loop that applies the same statement per event without any of the helper's guarantees.
 //!
-//! With `--kills`, two members instead run the same stream twice, once undisturbed and once
+//! With `--kills`, two members instead run the same stream three times, undisturbed, then
 //! killed in turn every 2–4 s (a seeded schedule; a killed member's task is aborted, leaving
 //! what it had read pending, and it is started again at once under a new name, as a restarted
-//! process would be), and the ratio of the two throughputs is reported.
+//! process would be), then undisturbed again; the ratio of the throughput with kills to the
+//! mean of the two undisturbed runs is reported.
 //!
 //! Works in a scratch database `outpost_bench_consumer` (dropped and created at the start,
 //! dropped at the end) and under a Redis key prefix of its own. Consumers run in this process.
@@ -116,13 +117,16 @@ pub(super) async fn run(config: &Config, args: ConsumerBench) -> anyhow::Result<
             prefix: &scratch.prefix,
         };
         if args.kills {
-            let calm = run.helper(&mut rconn, 2, None).await?;
+            // Undisturbed before and after, so neither warm-up nor a drift of the machine's
+            // speed during the runs favours one side.
+            let before = run.helper(&mut rconn, 2, None).await?;
             let killed = run.helper(&mut rconn, 2, Some(args.kill_seed)).await?;
+            let after = run.helper(&mut rconn, 2, None).await?;
             println!();
             println!(
-                "with kills / without: {:.2} (2 members killed in turn every 2-4 s, seed {}; \
-                 member_timeout {:?})",
-                killed / calm,
+                "with kills / without (mean of before and after): {:.2} (2 members killed in \
+                 turn every 2-4 s, seed {}; member_timeout {:?})",
+                killed / ((before + after) / 2.0),
                 args.kill_seed,
                 args.member_timeout_ms
                     .map(Duration::from_millis)
@@ -283,7 +287,10 @@ impl Run<'_> {
         let stream = format!(
             "{}helper{members}{}",
             self.prefix,
-            if kills.is_some() { "k" } else { "" }
+            match kills {
+                Some(_) => "k".to_owned(),
+                None => uuid::Uuid::now_v7().simple().to_string(),
+            }
         );
         self.preload(conn, &stream).await?;
         let usage = Usage::start();
