@@ -418,8 +418,8 @@ impl<H: Handler> Consumer<H> {
     }
 
     /// Runs until `shutdown` completes, then finishes the round in flight (its commits and
-    /// acknowledgements), says it is leaving (the others take its pending entries at once) and
-    /// returns what it did. Redis or database outages are waited out; only a fault point
+    /// acknowledgements), deletes its liveness key (the others take its pending entries once it
+    /// has been quiet for `member_timeout`) and returns what it did. Redis or database outages are waited out; only a fault point
     /// (tests) ends it early with an error.
     pub async fn run_until(
         self,
