@@ -110,6 +110,8 @@ pub const ALL: &[&str] = &[
     CONSUMER_DUPLICATES,
     CONSUMER_HELD,
     CONSUMER_RECLAIMED,
+    CONSUMER_TAKEN_OVER,
+    CONSUMER_RELEASED,
     CONSUMER_DEAD_LETTERED,
     CONSUMER_RETRIES,
     CONSUMER_LOST,
@@ -124,6 +126,10 @@ pub const CONSUMER_DUPLICATES: &str = "outpost_consumer_duplicates_total";
 pub const CONSUMER_HELD: &str = "outpost_consumer_held_total";
 /// Consumer helper: entries reclaimed from members idle longer than the claim time.
 pub const CONSUMER_RECLAIMED: &str = "outpost_consumer_reclaimed_total";
+/// Consumer helper: entries taken over from dead members (no liveness for `member_timeout`).
+pub const CONSUMER_TAKEN_OVER: &str = "outpost_consumer_taken_over_total";
+/// Consumer helper: held entries released because the gap ahead of them filled.
+pub const CONSUMER_RELEASED: &str = "outpost_consumer_released_total";
 /// Consumer helper: entries moved to the dead-letter stream.
 pub const CONSUMER_DEAD_LETTERED: &str = "outpost_consumer_dead_lettered_total";
 /// Consumer helper: handler attempts that asked to be retried.
@@ -236,6 +242,16 @@ fn describe() {
         CONSUMER_RECLAIMED,
         Unit::Count,
         "Entries reclaimed from idle group members."
+    );
+    describe_counter!(
+        CONSUMER_TAKEN_OVER,
+        Unit::Count,
+        "Entries taken over from dead group members."
+    );
+    describe_counter!(
+        CONSUMER_RELEASED,
+        Unit::Count,
+        "Held entries released because the gap ahead of them filled."
     );
     describe_counter!(
         CONSUMER_DEAD_LETTERED,

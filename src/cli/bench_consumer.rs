@@ -2,6 +2,12 @@
 //! and positions in PostgreSQL, with one and with two group members, against a bare consumer
 //! loop that applies the same statement per event without any of the helper's guarantees.
 //!
+//! With `--kills`, two members instead run the same stream three times, undisturbed, then
+//! killed in turn every 2–4 s (a seeded schedule; a killed member's task is aborted, leaving
+//! what it had read pending, and it is started again at once under a new name, as a restarted
+//! process would be), then undisturbed again; the ratio of the throughput with kills to the
+//! mean of the two undisturbed runs is reported.
+//!
 //! Works in a scratch database `outpost_bench_consumer` (dropped and created at the start,
 //! dropped at the end) and under a Redis key prefix of its own. Consumers run in this process.
 
@@ -9,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Args;
+use rand::SeedableRng;
 use redis::aio::MultiplexedConnection;
 use sea_orm::{DatabaseTransaction, TransactionTrait};
 
@@ -45,6 +52,15 @@ pub struct ConsumerBench {
     /// Entries read per round.
     #[arg(long, default_value_t = 200)]
     batch: usize,
+    /// Two members, with and without being killed in turn every 2–4 s; reports the ratio.
+    #[arg(long)]
+    kills: bool,
+    /// Seed of the kill schedule (`--kills`).
+    #[arg(long, default_value_t = 13)]
+    kill_seed: u64,
+    /// The members' `member_timeout` in milliseconds (default: the helper's default).
+    #[arg(long)]
+    member_timeout_ms: Option<u64>,
 }
 
 /// The handler under test: one upsert into a projection.
@@ -65,7 +81,11 @@ impl Handler for Project {
 pub(super) async fn run(config: &Config, args: ConsumerBench) -> anyhow::Result<()> {
     let scratch = Scratch::create(config, DB_NAME).await?;
     let outcome = async {
-        let max_members = args.members.iter().copied().max().unwrap_or(1);
+        let max_members = if args.kills {
+            2
+        } else {
+            args.members.iter().copied().max().unwrap_or(1)
+        };
         let store = scratch
             .store(
                 u32::try_from(max_members * args.concurrency + 4)?,
@@ -96,9 +116,27 @@ pub(super) async fn run(config: &Config, args: ConsumerBench) -> anyhow::Result<
             redis_url: &scratch.redis_url,
             prefix: &scratch.prefix,
         };
-        run.bare(&mut rconn).await?;
-        for &m in &args.members {
-            run.helper(&mut rconn, m).await?;
+        if args.kills {
+            // Undisturbed before and after, so neither warm-up nor a drift of the machine's
+            // speed during the runs favours one side.
+            let before = run.helper(&mut rconn, 2, None).await?;
+            let killed = run.helper(&mut rconn, 2, Some(args.kill_seed)).await?;
+            let after = run.helper(&mut rconn, 2, None).await?;
+            println!();
+            println!(
+                "with kills / without (mean of before and after): {:.2} (2 members killed in \
+                 turn every 2-4 s, seed {}; member_timeout {:?})",
+                killed / ((before + after) / 2.0),
+                args.kill_seed,
+                args.member_timeout_ms
+                    .map(Duration::from_millis)
+                    .unwrap_or(ConsumerSettings::new("", "", "").member_timeout)
+            );
+        } else {
+            run.bare(&mut rconn).await?;
+            for &m in &args.members {
+                run.helper(&mut rconn, m, None).await?;
+            }
         }
         store.connection().clone().close().await.ok();
         anyhow::Ok(())
@@ -106,6 +144,12 @@ pub(super) async fn run(config: &Config, args: ConsumerBench) -> anyhow::Result<
     .await;
     scratch.finish(outcome).await
 }
+
+/// A running member: its stop signal and its task.
+type Member = (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<Result<crate::consume::ConsumerStats, crate::consume::ConsumeError>>,
+);
 
 struct Run<'a> {
     args: &'a ConsumerBench,
@@ -209,36 +253,75 @@ impl Run<'_> {
                 .query_async(conn)
                 .await?;
         }
-        self.report("bare loop, 1 member", usage).await
+        self.report("bare loop, 1 member", usage).await?;
+        Ok(())
     }
 
-    /// `members` helpers in one group until every event is applied.
-    async fn helper(&self, conn: &mut MultiplexedConnection, members: usize) -> anyhow::Result<()> {
-        let stream = format!("{}helper{members}", self.prefix);
+    /// Starts a member of the benchmark's group.
+    async fn member(&self, stream: &str, name: String) -> anyhow::Result<Member> {
+        let mut s = ConsumerSettings::new(self.redis_url, stream.to_owned(), "bench");
+        s.key_prefix = self.prefix.to_owned();
+        s.consumer = name;
+        s.concurrency = self.args.concurrency;
+        s.batch = self.args.batch;
+        s.block = Duration::from_millis(100);
+        if let Some(ms) = self.args.member_timeout_ms {
+            s.member_timeout = Duration::from_millis(ms);
+        }
+        let consumer = Consumer::connect(s, self.store.connection().clone(), Project).await?;
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(consumer.run_until(async move {
+            let _ = rx.await;
+        }));
+        Ok((tx, task))
+    }
+
+    /// `members` helpers in one group until every event is applied; with `kills`, the members
+    /// are killed in turn every 2–4 s on a schedule seeded with it. Returns events per second.
+    async fn helper(
+        &self,
+        conn: &mut MultiplexedConnection,
+        members: usize,
+        kills: Option<u64>,
+    ) -> anyhow::Result<f64> {
+        let stream = format!(
+            "{}helper{members}{}",
+            self.prefix,
+            match kills {
+                Some(_) => "k".to_owned(),
+                None => uuid::Uuid::now_v7().simple().to_string(),
+            }
+        );
         self.preload(conn, &stream).await?;
         let usage = Usage::start();
-        let mut stops = Vec::new();
-        let mut tasks = Vec::new();
+        let mut running = Vec::new();
         for m in 0..members {
-            let mut s = ConsumerSettings::new(self.redis_url, stream.clone(), "bench");
-            s.key_prefix = self.prefix.to_owned();
-            s.consumer = format!("m{m}");
-            s.concurrency = self.args.concurrency;
-            s.batch = self.args.batch;
-            s.block = Duration::from_millis(100);
-            let consumer = Consumer::connect(s, self.store.connection().clone(), Project).await?;
-            let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-            stops.push(tx);
-            tasks.push(tokio::spawn(consumer.run_until(async move {
-                let _ = rx.await;
-            })));
+            running.push(self.member(&stream, format!("m{m}")).await?);
         }
+        let mut schedule = kills.map(rand::rngs::StdRng::seed_from_u64);
+        let pause = |rng: &mut rand::rngs::StdRng| {
+            Duration::from_millis(rand::Rng::random_range(rng, 2_000..=4_000))
+        };
+        let mut next_kill = schedule.as_mut().map(|r| Instant::now() + pause(r));
+        let mut killed = 0usize;
         let want = i64::try_from(self.args.events)?;
         let mut last = (Instant::now(), 0i64);
         loop {
             let applied = self.store.consumer_bench_applied().await?;
             if applied >= want {
                 break;
+            }
+            if let (Some(at), Some(rng)) = (next_kill, schedule.as_mut())
+                && Instant::now() >= at
+            {
+                // Killed as a process is: what it read stays pending, its transactions in
+                // flight roll back; started again at once under a new name.
+                let slot = killed % members;
+                running[slot].1.abort();
+                let _ = (&mut running[slot].1).await;
+                killed += 1;
+                running[slot] = self.member(&stream, format!("m{slot}-{killed}")).await?;
+                next_kill = Some(Instant::now() + pause(rng));
             }
             if applied > last.1 {
                 last = (Instant::now(), applied);
@@ -248,20 +331,24 @@ impl Run<'_> {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         let label = format!(
-            "helper, {members} member{}",
-            if members == 1 { "" } else { "s" }
+            "helper, {members} member{}{}",
+            if members == 1 { "" } else { "s" },
+            if kills.is_some() {
+                format!(", {killed} kills")
+            } else {
+                String::new()
+            }
         );
         let reported = self.report(&label, usage).await;
-        for s in stops {
-            let _ = s.send(());
-        }
-        for t in tasks {
-            t.await??;
+        for (stop, task) in running {
+            let _ = stop.send(());
+            task.await??;
         }
         reported
     }
 
-    async fn report(&self, label: &str, usage: Usage) -> anyhow::Result<()> {
+    /// Prints a run's line; returns its events per second.
+    async fn report(&self, label: &str, usage: Usage) -> anyhow::Result<f64> {
         let secs = usage.at.elapsed().as_secs_f64();
         let tck = clk_tck();
         let cpu = |a: Option<u64>, b: Option<u64>| match (a, b) {
@@ -278,7 +365,7 @@ impl Run<'_> {
             cpu(usage.proc_ticks, self_cpu_ticks()),
             cpu(usage.pg_ticks, postgres_cpu_ticks().map(|(_, t)| t)),
         );
-        Ok(())
+        Ok(self.args.events as f64 / secs)
     }
 }
 

@@ -62,8 +62,10 @@ pub(crate) struct Applier<H> {
 }
 
 impl<H: Handler> Applier<H> {
-    /// Processes `d`: applies it if it is its aggregate's next event for the group.
-    pub async fn process(&self, d: &Delivery) -> Outcome {
+    /// Processes `d`: applies it if it is its aggregate's next event for the group. An event
+    /// ahead of a gap is held, or, with `give_up_gap` (it was held for `claim_idle` after its
+    /// last allowed delivery), dead-lettered without moving the group's position.
+    pub async fn process(&self, d: &Delivery, give_up_gap: bool) -> Outcome {
         let (txn, pos) = match self.begin_locked(d).await {
             Ok(locked) => locked,
             Err(outcome) => return outcome,
@@ -87,7 +89,7 @@ impl<H: Handler> Applier<H> {
             let expected = pos.last_seq + 1;
             if d.aggregate_seq > expected && self.order == OrderMode::Strict {
                 let _ = txn.rollback().await;
-                if d.deliveries >= self.max_deliveries {
+                if give_up_gap {
                     let reason = format!(
                         "sequence gap: the group waits for sequence {expected} of {} {}, this \
                          is {} (delivered {} times); replay the missing event, then this one",
@@ -123,6 +125,14 @@ impl<H: Handler> Applier<H> {
                 }
             }
         }
+    }
+
+    /// The group's positions in `aggregates`, read without a lock.
+    pub async fn positions(
+        &self,
+        aggregates: &[(&str, &str)],
+    ) -> Result<Vec<(String, String, i64)>, crate::store::StoreError> {
+        inbox::positions_of(&self.db, &self.group, aggregates).await
     }
 
     /// Opens a transaction and locks the group's position in `d`'s aggregate.

@@ -15,8 +15,10 @@
 //!    it.
 //!
 //! Aggregates are processed in parallel (up to `concurrency` at a time), each one's events one
-//! after the other in sequence order. Entries left pending by a member that died are reclaimed
-//! after `claim_idle`. A handler failure is retried with back-off until the group has delivered
+//! after the other in sequence order. An event ahead of a gap is held and released as soon as
+//! the group's position reaches it. Members keep a liveness key; the entries left pending by a
+//! member that died are taken over after `member_timeout`, and entries pending at a member that
+//! is alive but stuck are reclaimed after `claim_idle`. A handler failure is retried with back-off until the group has delivered
 //! the entry `max_deliveries` times (or at once, for a permanent failure); then the entry goes to
 //! the dead-letter stream with the error and its original fields, the aggregate moves on, and
 //! the entry is acknowledged. Entries that leave the stream (trimming) before the group
@@ -28,7 +30,7 @@ mod error;
 mod handler;
 pub(crate) mod stream;
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -106,9 +108,16 @@ pub struct ConsumerSettings {
     pub retry_backoff: Duration,
     /// How per-aggregate order is enforced.
     pub order: OrderMode,
-    /// How long an event that arrived ahead of a gap is kept and retried in memory; after that
-    /// it stays pending until reclaimed. Shorter than `claim_idle`.
+    /// How often an event held ahead of a gap is claimed again by its member, so that no other
+    /// member reclaims it (a delivery is counted once per `claim_idle` of holding; held for
+    /// `claim_idle` after its `max_deliveries`-th delivery, it goes to the dead-letter stream as
+    /// a gap). Held events are released as soon as their gap fills. Shorter than `claim_idle`.
     pub order_wait: Duration,
+    /// A member that has not renewed its liveness key for this long (it renews every third of
+    /// it) and has not read or claimed meanwhile is dead: its pending entries are taken over by
+    /// the others at once, oldest first, instead of after `claim_idle`. Shorter than
+    /// `claim_idle`; at least 300 ms.
+    pub member_timeout: Duration,
     /// The dead-letter stream (default: the stream's key followed by `:dead`).
     pub dead_letter: Option<String>,
     /// Redis connect timeout.
@@ -137,6 +146,8 @@ impl std::fmt::Debug for ConsumerSettings {
             .field("claim_idle", &self.claim_idle)
             .field("max_deliveries", &self.max_deliveries)
             .field("order", &self.order)
+            .field("order_wait", &self.order_wait)
+            .field("member_timeout", &self.member_timeout)
             .finish_non_exhaustive()
     }
 }
@@ -164,6 +175,7 @@ impl ConsumerSettings {
             retry_backoff: Duration::from_millis(500),
             order: OrderMode::Strict,
             order_wait: Duration::from_secs(5),
+            member_timeout: Duration::from_secs(1),
             dead_letter: None,
             connect_timeout: Duration::from_secs(5),
             response_timeout: Duration::from_secs(5),
@@ -219,6 +231,22 @@ impl ConsumerSettings {
                 self.order_wait, self.claim_idle
             ));
         }
+        if self.member_timeout < Duration::from_millis(300) {
+            return bad(format!(
+                "member_timeout is {:?}; at least 300 ms (members renew their liveness every \
+                 third of it)",
+                self.member_timeout
+            ));
+        }
+        if self.member_timeout >= self.claim_idle {
+            return bad(format!(
+                "member_timeout ({:?}) must be shorter than claim_idle ({:?}): a dead member's \
+                 entries are taken over after member_timeout, and claim_idle is only the \
+                 fallback for a member that is alive but stuck; shorten member_timeout or \
+                 lengthen claim_idle",
+                self.member_timeout, self.claim_idle
+            ));
+        }
         if self.dead_letter_stream() == self.stream {
             return bad("dead_letter must not be the stream itself".into());
         }
@@ -245,12 +273,27 @@ pub struct ConsumerStats {
     pub held: u64,
     /// Handler attempts that asked to be retried (and infrastructure failures).
     pub retries: u64,
-    /// Entries reclaimed from idle members.
+    /// Entries reclaimed from idle members (pending longer than `claim_idle`).
     pub reclaimed: u64,
+    /// Entries taken over from dead members (after `member_timeout`).
+    pub taken_over: u64,
+    /// Held entries released because their gap filled.
+    pub released: u64,
     /// Entries moved to the dead-letter stream.
     pub dead_lettered: u64,
     /// Entries that left the stream before the group processed them.
     pub lost: u64,
+}
+
+/// How often a member holding entries ahead of a gap reads the group's positions in their
+/// aggregates (one statement for all of them) to release those whose gap filled.
+const HOLD_POLL: Duration = Duration::from_millis(20);
+
+/// When a held entry was last claimed again (its idle time reset) and last counted a delivery.
+#[derive(Debug, Clone, Copy)]
+struct Hold {
+    renewed: Instant,
+    counted: Instant,
 }
 
 /// An entry kept for another try.
@@ -267,11 +310,18 @@ pub struct Consumer<H> {
     stream: Arc<GroupStream>,
     applier: Arc<Applier<H>>,
     later: Vec<Later>,
-    /// Entries held for order, by stream id: until when they are kept in memory; after that
-    /// they stay pending until a reclaim delivers them again.
-    held_until: HashMap<String, Instant>,
+    /// Entries held ahead of a gap, released when the group's position reaches them.
+    held: Vec<Delivery>,
+    /// When each held entry (by stream id) was last renewed and last counted a delivery.
+    holds: HashMap<String, Hold>,
+    /// When to read the positions of the held entries' aggregates next.
+    next_hold_check: Instant,
     claim_cursor: String,
     next_claim: Instant,
+    /// When to look for dead members next.
+    next_dead_check: Instant,
+    /// Renews this member's liveness key; stops when the consumer is dropped.
+    _heartbeat: AbortOnDrop<()>,
     last_id: String,
     stats: ConsumerStats,
 }
@@ -296,6 +346,17 @@ impl<H: Handler> Consumer<H> {
     ) -> Result<Self, ConsumeError> {
         settings.validate()?;
         let stream = Arc::new(GroupStream::connect(&settings).await?);
+        let heartbeat = {
+            let (stream, ttl) = (stream.clone(), settings.member_timeout);
+            AbortOnDrop(tokio::spawn(async move {
+                loop {
+                    if let Err(e) = stream.heartbeat(ttl).await {
+                        tracing::warn!(error = %e, "could not renew this member's liveness key");
+                    }
+                    tokio::time::sleep(ttl / 3).await;
+                }
+            }))
+        };
         let consumer = Self {
             applier: Arc::new(Applier {
                 db,
@@ -309,9 +370,13 @@ impl<H: Handler> Consumer<H> {
             }),
             stream,
             later: Vec::new(),
-            held_until: HashMap::new(),
+            held: Vec::new(),
+            holds: HashMap::new(),
+            next_hold_check: Instant::now(),
             claim_cursor: "0-0".to_owned(),
             next_claim: Instant::now(),
+            next_dead_check: Instant::now(),
+            _heartbeat: heartbeat,
             last_id: "0-0".to_owned(),
             stats: ConsumerStats::default(),
             settings,
@@ -353,9 +418,25 @@ impl<H: Handler> Consumer<H> {
     }
 
     /// Runs until `shutdown` completes, then finishes the round in flight (its commits and
-    /// acknowledgements) and returns what it did. Redis or database outages are waited out;
-    /// only a fault point (tests) ends it early with an error.
+    /// acknowledgements), deletes its liveness key (the others take its pending entries once it
+    /// has been quiet for `member_timeout`) and returns what it did. Redis or database outages are waited out; only a fault point
+    /// (tests) ends it early with an error.
     pub async fn run_until(
+        self,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<ConsumerStats, ConsumeError> {
+        let stream = self.stream.clone();
+        // `run` consumes the consumer: its heartbeat has stopped when the key is deleted.
+        let result = self.run(shutdown).await;
+        if result.is_ok()
+            && let Err(e) = stream.leave().await
+        {
+            tracing::warn!(error = %e, "could not delete this member's liveness key");
+        }
+        result
+    }
+
+    async fn run(
         mut self,
         shutdown: impl Future<Output = ()>,
     ) -> Result<ConsumerStats, ConsumeError> {
@@ -423,17 +504,26 @@ impl<H: Handler> Consumer<H> {
     /// next reclaim pass, or `block`.
     fn idle_wait(&self) -> Duration {
         let now = Instant::now();
-        let mut until = (now + self.settings.block).min(self.next_claim);
+        let mut until = (now + self.settings.block)
+            .min(self.next_claim)
+            .min(self.next_dead_check);
         if let Some(due) = self.later.iter().map(|l| l.due).min() {
             until = until.min(due);
+        }
+        if !self.held.is_empty() {
+            until = until.min(self.next_hold_check);
+            if let Some(renewed) = self.holds.values().map(|h| h.renewed).min() {
+                until = until.min(renewed + self.settings.order_wait);
+            }
         }
         until
             .saturating_duration_since(now)
             .max(Duration::from_millis(10))
     }
 
-    /// One round: entries due again, reclaimed ones and new ones, processed and acknowledged.
-    /// Returns whether there was anything to do.
+    /// One round: entries due again, held entries whose gap filled, entries of dead members,
+    /// reclaimed ones and new ones, processed and acknowledged. Returns whether there was
+    /// anything to do.
     pub async fn round(&mut self) -> Result<bool, ConsumeError> {
         let now = Instant::now();
         let mut batch: Vec<RawEntry> = Vec::new();
@@ -441,14 +531,7 @@ impl<H: Handler> Consumer<H> {
         let mut reclaim_ids = Vec::new();
         let mut kept = Vec::new();
         for l in std::mem::take(&mut self.later) {
-            let id = &l.delivery.stream_id;
-            if self.held_until.get(id).is_some_and(|t| now >= *t) {
-                self.held_until.remove(id);
-                tracing::debug!(
-                    stream_id = %l.delivery.stream_id,
-                    "held entry left pending for a later reclaim"
-                );
-            } else if l.due > now {
+            if l.due > now {
                 kept.push(l);
             } else if l.reclaim {
                 reclaim_ids.push(l.delivery.stream_id);
@@ -466,6 +549,20 @@ impl<H: Handler> Consumer<H> {
                         "could not claim entries to retry; they stay pending and are reclaimed later"
                     );
                 }
+            }
+        }
+        let mut give_up = Vec::new();
+        if !self.held.is_empty() {
+            let (released, expired) = self.release_held(now).await;
+            ready.extend(released);
+            give_up = self.renew_expired(expired).await;
+        }
+        if now >= self.next_dead_check {
+            self.next_dead_check = now + self.settings.member_timeout / 3;
+            let taken = self.take_over_dead().await?;
+            if !taken.is_empty() {
+                self.forget_local(&taken, &mut ready);
+                batch.extend(taken);
             }
         }
         if now >= self.next_claim {
@@ -487,11 +584,7 @@ impl<H: Handler> Consumer<H> {
                 self.stats.reclaimed += entries.len() as u64;
                 counter!(m::CONSUMER_RECLAIMED, "group" => self.settings.group.clone())
                     .increment(entries.len() as u64);
-                let ids: HashSet<&str> = entries.iter().map(|e| e.id.as_str()).collect();
-                self.later
-                    .retain(|l| !ids.contains(l.delivery.stream_id.as_str()));
-                ready.retain(|d| !ids.contains(d.stream_id.as_str()));
-                self.held_until.retain(|id, _| !ids.contains(id.as_str()));
+                self.forget_local(&entries, &mut ready);
                 batch.extend(entries);
             }
         }
@@ -500,7 +593,7 @@ impl<H: Handler> Consumer<H> {
             .batch
             .saturating_sub(batch.len() + ready.len());
         // Entries kept in memory are bounded: with too many waiting, read nothing new.
-        if room > 0 && self.later.len() < self.settings.batch * 10 {
+        if room > 0 && self.later.len() + self.held.len() < self.settings.batch * 10 {
             let read = self.stream.read_new(room).await?;
             if read.no_group {
                 return Err(ConsumeError::NoGroup);
@@ -513,13 +606,217 @@ impl<H: Handler> Consumer<H> {
             gauge!(m::CONSUMER_LAG, "group" => self.settings.group.clone()).set(read.lag as f64);
             batch.extend(read.entries);
         }
-        if batch.is_empty() && ready.is_empty() {
+        if batch.is_empty() && ready.is_empty() && give_up.is_empty() {
             return Ok(false);
+        }
+        if !give_up.is_empty() {
+            self.give_up_on_gaps(give_up).await?;
         }
         let mut deliveries = ready;
         deliveries.extend(self.decode(batch).await?);
         self.process_deliveries(deliveries).await?;
         Ok(true)
+    }
+
+    /// Drops from memory what was just claimed afresh (it comes back with `entries`).
+    fn forget_local(&mut self, entries: &[RawEntry], ready: &mut Vec<Delivery>) {
+        let ids: HashSet<&str> = entries.iter().map(|e| e.id.as_str()).collect();
+        self.later
+            .retain(|l| !ids.contains(l.delivery.stream_id.as_str()));
+        self.held.retain(|d| !ids.contains(d.stream_id.as_str()));
+        ready.retain(|d| !ids.contains(d.stream_id.as_str()));
+    }
+
+    /// Reads the group's positions in the held entries' aggregates (at most every
+    /// [`HOLD_POLL`], or at once after this member applied something) and takes out the held
+    /// entries whose gap filled. Also takes out those held for `order_wait` (second list).
+    async fn release_held(&mut self, now: Instant) -> (Vec<Delivery>, Vec<Delivery>) {
+        let mut released = Vec::new();
+        if now >= self.next_hold_check {
+            self.next_hold_check = now + HOLD_POLL;
+            let aggregates: BTreeSet<(&str, &str)> = self
+                .held
+                .iter()
+                .map(|d| (d.aggregate_type.as_str(), d.aggregate_id.as_str()))
+                .collect();
+            let aggregates: Vec<(&str, &str)> = aggregates.into_iter().collect();
+            match self.applier.positions(&aggregates).await {
+                Ok(rows) => {
+                    let at: HashMap<(String, String), i64> =
+                        rows.into_iter().map(|(t, i, s)| ((t, i), s)).collect();
+                    // Of each aggregate, the held entries at or below the position (a
+                    // duplicate, or a rewound history: `process` decides) go, and the run of
+                    // consecutive sequences from the one right after it, as one chain; the
+                    // entries beyond the next gap stay held.
+                    let mut reach: HashMap<(String, String), i64> =
+                        at.into_iter().map(|(k, last)| (k, last + 1)).collect();
+                    let mut held = std::mem::take(&mut self.held);
+                    held.sort_by_key(|d| d.aggregate_seq);
+                    for d in held {
+                        let key = (d.aggregate_type.clone(), d.aggregate_id.clone());
+                        match reach.get_mut(&key) {
+                            Some(next) if d.aggregate_seq <= *next => {
+                                if d.aggregate_seq == *next {
+                                    *next += 1;
+                                }
+                                released.push(d);
+                            }
+                            _ => self.held.push(d),
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not read the positions of held entries");
+                }
+            }
+        }
+        if !released.is_empty() {
+            self.stats.released += released.len() as u64;
+            counter!(m::CONSUMER_RELEASED, "group" => self.settings.group.clone())
+                .increment(released.len() as u64);
+        }
+        let wait = self.settings.order_wait;
+        let holds = &self.holds;
+        let (expired, stay): (Vec<Delivery>, Vec<Delivery>) =
+            std::mem::take(&mut self.held).into_iter().partition(|d| {
+                holds
+                    .get(&d.stream_id)
+                    .is_some_and(|h| now >= h.renewed + wait)
+            });
+        self.held = stay;
+        (released, expired)
+    }
+
+    /// Held entries whose hold ran out (`order_wait`): claimed again by this member, which
+    /// resets their idle time so no other member reclaims them, and held again. The claim
+    /// counts a delivery only once the entry has been held for `claim_idle` since it last
+    /// counted one (as a reclaim would have); an entry due to count one that has already been
+    /// delivered `max_deliveries` times is returned instead, to be given up on.
+    async fn renew_expired(&mut self, expired: Vec<Delivery>) -> Vec<Delivery> {
+        let now = Instant::now();
+        let claim_idle = self.settings.claim_idle;
+        let mut give_up = Vec::new();
+        let (mut count, mut touch) = (Vec::new(), Vec::new());
+        for d in expired {
+            let due = self
+                .holds
+                .get(&d.stream_id)
+                .is_none_or(|h| now >= h.counted + claim_idle);
+            if !due {
+                touch.push(d);
+            } else if d.deliveries >= self.settings.max_deliveries {
+                give_up.push(d);
+            } else {
+                count.push(d);
+            }
+        }
+        if !count.is_empty() {
+            let ids: Vec<String> = count.iter().map(|d| d.stream_id.clone()).collect();
+            let counts = match self.stream.claim(&ids).await {
+                Ok(entries) => Some(
+                    entries
+                        .into_iter()
+                        .map(|e| (e.id, e.deliveries))
+                        .collect::<HashMap<_, _>>(),
+                ),
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not claim held entries again; holding them on");
+                    None
+                }
+            };
+            for mut d in count {
+                match counts.as_ref().map(|c| c.get(&d.stream_id)) {
+                    // Acknowledged meanwhile (another member applied a copy): done.
+                    Some(None) => {
+                        self.holds.remove(&d.stream_id);
+                    }
+                    Some(Some(n)) => {
+                        d.deliveries = *n;
+                        self.holds.insert(
+                            d.stream_id.clone(),
+                            Hold {
+                                renewed: now,
+                                counted: now,
+                            },
+                        );
+                        self.held.push(d);
+                    }
+                    None => {
+                        if let Some(h) = self.holds.get_mut(&d.stream_id) {
+                            h.renewed = now;
+                        }
+                        self.held.push(d);
+                    }
+                }
+            }
+        }
+        if !touch.is_empty() {
+            let ids: Vec<String> = touch.iter().map(|d| d.stream_id.clone()).collect();
+            let still = match self.stream.touch(&ids).await {
+                Ok(still) => Some(still.into_iter().collect::<HashSet<String>>()),
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not renew held entries; holding them on");
+                    None
+                }
+            };
+            for d in touch {
+                if still.as_ref().is_some_and(|s| !s.contains(&d.stream_id)) {
+                    self.holds.remove(&d.stream_id);
+                    continue;
+                }
+                if let Some(h) = self.holds.get_mut(&d.stream_id) {
+                    h.renewed = now;
+                }
+                self.held.push(d);
+            }
+        }
+        give_up
+    }
+
+    /// Processes entries held for `claim_idle` after their last allowed delivery: still ahead
+    /// of a gap, they go to the dead-letter stream; otherwise they are applied.
+    async fn give_up_on_gaps(&mut self, entries: Vec<Delivery>) -> Result<(), ConsumeError> {
+        let mut acks = Vec::new();
+        for d in entries {
+            let outcome = self.applier.process(&d, true).await;
+            self.settle(d, outcome, &mut acks)?;
+        }
+        self.stream.ack(&acks).await
+    }
+
+    /// Takes over the pending entries of dead members, oldest first, up to a batch.
+    async fn take_over_dead(&mut self) -> Result<Vec<RawEntry>, ConsumeError> {
+        let timeout = self.settings.member_timeout;
+        let mut taken = Vec::new();
+        for dead in self.stream.dead_members(timeout).await? {
+            let room = self.settings.batch.saturating_sub(taken.len());
+            if room == 0 {
+                // More next round.
+                self.next_dead_check = Instant::now();
+                break;
+            }
+            let (entries, lost) = self.stream.take_over(&dead, timeout, room).await?;
+            self.count_lost(
+                lost,
+                "pending entries of a dead member left the stream before they were processed",
+            );
+            if !entries.is_empty() {
+                tracing::info!(
+                    member = %dead, entries = entries.len(),
+                    "took over the pending entries of a dead member"
+                );
+            }
+            taken.extend(entries);
+        }
+        if taken.len() >= self.settings.batch {
+            self.next_dead_check = Instant::now();
+        }
+        if !taken.is_empty() {
+            self.stats.taken_over += taken.len() as u64;
+            counter!(m::CONSUMER_TAKEN_OVER, "group" => self.settings.group.clone())
+                .increment(taken.len() as u64);
+        }
+        Ok(taken)
     }
 
     /// Decodes entries; one that is not an Outpost event goes to the dead-letter stream at once.
@@ -572,7 +869,9 @@ impl<H: Handler> Consumer<H> {
                 let applier = applier.clone();
                 let ids: Vec<Delivery> = chain.clone();
                 async move {
-                    match tokio::spawn(run_chain(applier, chain)).await {
+                    // Aborted when this future is dropped (the consumer dropped mid-round, as a
+                    // process killed): a chain never runs on detached from its member.
+                    match AbortOnDrop(tokio::spawn(run_chain(applier, chain))).await {
                         Ok(done) => done,
                         // Processing itself failed (not the handler, whose panics are caught):
                         // every entry of the chain is tried again.
@@ -596,41 +895,54 @@ impl<H: Handler> Consumer<H> {
             .collect()
             .await;
         let mut acks = Vec::new();
-        let now = Instant::now();
+        let mut moved = false;
         for (d, outcome) in results.into_iter().flatten() {
-            self.note(&outcome);
-            if !matches!(outcome, Outcome::Held { .. }) {
-                self.held_until.remove(&d.stream_id);
-            }
-            match outcome {
-                Outcome::Applied | Outcome::Duplicate | Outcome::DeadLettered => {
-                    acks.push(d.stream_id);
-                }
-                Outcome::Held { .. } => {
-                    let poll = (self.settings.order_wait / 20).max(Duration::from_millis(20));
-                    self.held_until
-                        .entry(d.stream_id.clone())
-                        .or_insert(now + self.settings.order_wait);
-                    self.later.push(Later {
-                        delivery: d,
-                        due: now + poll,
-                        reclaim: false,
-                    });
-                }
-                Outcome::Retry { reason, counted } => {
-                    let wait = retry_wait(self.settings.retry_backoff, d.deliveries)
-                        .min(self.settings.claim_idle);
-                    tracing::debug!(stream_id = %d.stream_id, %reason, ?wait, "retrying later");
-                    self.later.push(Later {
-                        delivery: d,
-                        due: now + wait,
-                        reclaim: counted,
-                    });
-                }
-                Outcome::Killed(point) => return Err(ConsumeError::Fault(point)),
-            }
+            moved |= matches!(outcome, Outcome::Applied | Outcome::DeadLettered);
+            self.settle(d, outcome, &mut acks)?;
+        }
+        if moved && !self.held.is_empty() {
+            // A gap this member held entries behind may have just filled.
+            self.next_hold_check = Instant::now();
         }
         self.stream.ack(&acks).await
+    }
+
+    /// Records what became of `d`: to acknowledge, to hold, or to retry later.
+    fn settle(
+        &mut self,
+        d: Delivery,
+        outcome: Outcome,
+        acks: &mut Vec<String>,
+    ) -> Result<(), ConsumeError> {
+        let now = Instant::now();
+        self.note(&outcome);
+        if !matches!(outcome, Outcome::Held { .. }) {
+            self.holds.remove(&d.stream_id);
+        }
+        match outcome {
+            Outcome::Applied | Outcome::Duplicate | Outcome::DeadLettered => {
+                acks.push(d.stream_id);
+            }
+            Outcome::Held { .. } => {
+                self.holds.entry(d.stream_id.clone()).or_insert(Hold {
+                    renewed: now,
+                    counted: now,
+                });
+                self.held.push(d);
+            }
+            Outcome::Retry { reason, counted } => {
+                let wait = retry_wait(self.settings.retry_backoff, d.deliveries)
+                    .min(self.settings.claim_idle);
+                tracing::debug!(stream_id = %d.stream_id, %reason, ?wait, "retrying later");
+                self.later.push(Later {
+                    delivery: d,
+                    due: now + wait,
+                    reclaim: counted,
+                });
+            }
+            Outcome::Killed(point) => return Err(ConsumeError::Fault(point)),
+        }
+        Ok(())
     }
 
     fn note(&mut self, outcome: &Outcome) {
@@ -693,7 +1005,7 @@ async fn run_chain<H: Handler>(
         let outcome = if blocked {
             Outcome::Held { expected: None }
         } else {
-            applier.process(&d).await
+            applier.process(&d, false).await
         };
         blocked = blocked || outcome.blocks_successors();
         out.push((d, outcome));
@@ -701,9 +1013,72 @@ async fn run_chain<H: Handler>(
     out
 }
 
+/// A spawned task that is aborted when its handle is dropped.
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+impl<T> Future for AbortOnDrop<T> {
+    type Output = Result<T, tokio::task::JoinError>;
+
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        std::pin::Pin::new(&mut self.get_mut().0).poll(cx)
+    }
+}
+
 /// Back-off before the next delivery: `base` doubled per delivery so far, with up to 50% jitter.
 fn retry_wait(base: Duration, deliveries: u32) -> Duration {
     let exp = base.saturating_mul(1u32 << deliveries.saturating_sub(1).min(16));
     let jitter = rand::random::<f64>() * 0.5;
     exp.mul_f64(1.0 + jitter)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use super::*;
+
+    fn settings() -> ConsumerSettings {
+        ConsumerSettings::new("redis://127.0.0.1:6379", "events:order", "billing")
+    }
+
+    fn refused(s: &ConsumerSettings) -> String {
+        match s.validate() {
+            Err(ConsumeError::Settings(m)) => m,
+            other => panic!("expected a settings error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn defaults_are_valid() {
+        settings().validate().expect("defaults validate");
+    }
+
+    #[test]
+    fn member_timeout_is_bounded_and_the_error_says_how_to_fix_it() {
+        let mut s = settings();
+        s.member_timeout = Duration::from_millis(100);
+        let m = refused(&s);
+        assert!(
+            m.contains("member_timeout") && m.contains("at least 300 ms"),
+            "{m}"
+        );
+        s.member_timeout = s.claim_idle;
+        let m = refused(&s);
+        assert!(
+            m.contains("member_timeout") && m.contains("shorter than claim_idle"),
+            "{m}"
+        );
+        assert!(m.contains("lengthen claim_idle"), "{m}");
+        s.member_timeout = Duration::from_millis(300);
+        s.validate().expect("300 ms is allowed");
+    }
 }

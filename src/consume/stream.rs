@@ -109,6 +109,50 @@ redis.call('HSET', KEYS[2], field, pos)
 return {lost, added - pos, last, entries}
 ";
 
+/// Removes a dead member from the group, only if it still holds no pending entry, has no
+/// liveness key and has not read or claimed for ARGV[3] ms (a member that came back in between
+/// is left alone). Removing a member that holds entries would drop them from the group's
+/// pending list: that is never done.
+const FORGET: &str = r"
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+local list = redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])
+for _, c in ipairs(list) do
+  local name, pending, idle = nil, -1, -1
+  for i = 1, #c, 2 do
+    if c[i] == 'name' then name = c[i + 1]
+    elseif c[i] == 'pending' then pending = c[i + 1]
+    elseif c[i] == 'idle' then idle = c[i + 1] end
+  end
+  if name == ARGV[2] then
+    if pending == 0 and idle >= tonumber(ARGV[3]) then
+      return redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+    end
+    return 0
+  end
+end
+return 0
+";
+
+/// Claims a dead member's (ARGV[2]) pending entries idle for ARGV[3] ms, up to ARGV[4], oldest
+/// first, for ARGV[5]. Entries no longer in the stream are acknowledged and counted (lost);
+/// returns `{lost, claimed entries}`.
+const TAKE_OVER: &str = r"
+local pending = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', ARGV[3], '-', '+', ARGV[4], ARGV[2])
+local ids, gone = {}, {}
+for _, e in ipairs(pending) do
+  if #redis.call('XRANGE', KEYS[1], e[1], e[1]) == 0 then gone[#gone + 1] = e[1] else ids[#ids + 1] = e[1] end
+end
+for i = 1, #gone, 500 do
+  redis.call('XACK', KEYS[1], ARGV[1], unpack(gone, i, math.min(i + 499, #gone)))
+end
+local claimed = {}
+for i = 1, #ids, 500 do
+  local part = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[5], ARGV[3], unpack(ids, i, math.min(i + 499, #ids)))
+  for _, c in ipairs(part) do claimed[#claimed + 1] = c end
+end
+return {#gone, claimed}
+";
+
 /// The consumer's connections and scripts.
 pub(crate) struct GroupStream {
     conn: RedisConn,
@@ -117,11 +161,16 @@ pub(crate) struct GroupStream {
     wait_conn: RedisConn,
     stream: String,
     state: String,
+    /// Prefix of the members' liveness keys (`<members>:<group>:<consumer>`), in the stream's
+    /// hash slot.
+    members: String,
     group: String,
     consumer: String,
     dead_letter: String,
     ensure: Script,
     read: Script,
+    forget: Script,
+    take_over: Script,
 }
 
 impl GroupStream {
@@ -139,19 +188,148 @@ impl GroupStream {
                     }
                 })
         };
+        let members =
+            companion_key(&s.key_prefix, "member", &s.stream).map_err(ConsumeError::Settings)?;
         let conn = connect(s.response_timeout).await?;
         let wait_conn = connect(s.block + s.response_timeout).await?;
         Ok(Self {
             conn,
             wait_conn,
             state,
+            members,
             stream: s.stream.clone(),
             group: s.group.clone(),
             consumer: s.consumer.clone(),
             dead_letter: s.dead_letter_stream(),
             ensure: Script::new(ENSURE_GROUP),
             read: Script::new(READ),
+            forget: Script::new(FORGET),
+            take_over: Script::new(TAKE_OVER),
         })
+    }
+
+    fn alive_key(&self, consumer: &str) -> String {
+        format!("{}:{}:{consumer}", self.members, self.group)
+    }
+
+    /// Says this member is alive for `ttl` more.
+    pub async fn heartbeat(&self, ttl: Duration) -> Result<(), ConsumeError> {
+        redis::cmd("SET")
+            .arg(self.alive_key(&self.consumer))
+            .arg(1)
+            .arg("PX")
+            .arg(millis(ttl).max(1))
+            .query_async::<Value>(&mut self.conn.clone())
+            .await
+            .map_err(ConsumeError::redis)?;
+        Ok(())
+    }
+
+    /// Says this member is gone (a graceful stop): its pending entries may be taken at once.
+    pub async fn leave(&self) -> Result<(), ConsumeError> {
+        redis::cmd("DEL")
+            .arg(self.alive_key(&self.consumer))
+            .query_async::<i64>(&mut self.conn.clone())
+            .await
+            .map_err(ConsumeError::redis)?;
+        Ok(())
+    }
+
+    /// The group's other members that are dead: no liveness key, and no read or claim for at
+    /// least `timeout`. Returns those holding pending entries; those holding none are removed
+    /// from the group (atomically, only while they still hold none and are still dead), so the
+    /// names of restarted processes do not pile up.
+    pub async fn dead_members(&self, timeout: Duration) -> Result<Vec<String>, ConsumeError> {
+        let reply: Value = redis::cmd("XINFO")
+            .arg("CONSUMERS")
+            .arg(&self.stream)
+            .arg(&self.group)
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(ConsumeError::redis)?;
+        let quiet: Vec<(String, i64)> = parse_consumers(&reply)
+            .ok_or_else(|| {
+                ConsumeError::Redis(format!("unexpected reply to XINFO CONSUMERS: {reply:?}"))
+            })?
+            .into_iter()
+            .filter(|c| c.name != self.consumer && c.idle_ms >= millis(timeout))
+            .map(|c| (c.name, c.pending))
+            .collect();
+        if quiet.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut pipe = redis::pipe();
+        for (name, _) in &quiet {
+            pipe.cmd("EXISTS").arg(self.alive_key(name));
+        }
+        let alive: Vec<i64> = pipe
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(ConsumeError::redis)?;
+        let mut dead = Vec::new();
+        for ((name, pending), alive) in quiet.into_iter().zip(alive) {
+            if alive != 0 {
+                continue;
+            }
+            if pending > 0 {
+                dead.push(name);
+            } else {
+                self.forget
+                    .key(&self.stream)
+                    .key(self.alive_key(&name))
+                    .arg(&self.group)
+                    .arg(&name)
+                    .arg(millis(timeout))
+                    .invoke_async::<i64>(&mut self.conn.clone())
+                    .await
+                    .map_err(ConsumeError::redis)?;
+            }
+        }
+        Ok(dead)
+    }
+
+    /// Claims for this member up to `count` of `dead`'s pending entries, oldest first. Only
+    /// entries idle for `min_idle` are taken, so when two members take over from the same dead
+    /// one, each entry goes to one of them. Entries that left the stream meanwhile (trimmed)
+    /// are removed from the group's pending list and counted as lost; returns the entries and
+    /// how many were lost.
+    pub async fn take_over(
+        &self,
+        dead: &str,
+        min_idle: Duration,
+        count: usize,
+    ) -> Result<(Vec<RawEntry>, u64), ConsumeError> {
+        let reply: Value = self
+            .take_over
+            .key(&self.stream)
+            .arg(&self.group)
+            .arg(dead)
+            .arg(millis(min_idle))
+            .arg(count)
+            .arg(&self.consumer)
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(ConsumeError::redis)?;
+        let bad = || {
+            ConsumeError::Redis(format!(
+                "unexpected reply to the take-over script: {reply:?}"
+            ))
+        };
+        let Value::Array(parts) = &reply else {
+            return Err(bad());
+        };
+        let [Value::Int(gone), claimed] = parts.as_slice() else {
+            return Err(bad());
+        };
+        let lost = u64::try_from(*gone).unwrap_or(0);
+        if lost > 0 {
+            self.count_lost(lost).await?;
+        }
+        let claimed = parse_entries(claimed, 1).ok_or_else(bad)?;
+        let entries = self
+            .with_counts(claimed.into_iter().map(|e| (e.id, e.fields)).collect())
+            .await?;
+        Ok((entries, lost))
     }
 
     /// Creates the group when it does not exist, reading from `start`.
@@ -301,6 +479,24 @@ impl GroupStream {
             .await
     }
 
+    /// Claims `ids` for this consumer again without counting a delivery (`JUSTID`): resets
+    /// their idle time, so no other member reclaims them. Returns those still pending.
+    pub async fn touch(&self, ids: &[String]) -> Result<Vec<String>, ConsumeError> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        redis::cmd("XCLAIM")
+            .arg(&self.stream)
+            .arg(&self.group)
+            .arg(&self.consumer)
+            .arg(0)
+            .arg(ids)
+            .arg("JUSTID")
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(ConsumeError::redis)
+    }
+
     /// Adds the group's delivery counts to claimed entries.
     async fn with_counts(
         &self,
@@ -418,6 +614,47 @@ fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
+/// One member as `XINFO CONSUMERS` describes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct MemberInfo {
+    name: String,
+    pending: i64,
+    /// Milliseconds since it last read or claimed.
+    idle_ms: u64,
+}
+
+/// Parses `XINFO CONSUMERS` (a list of maps, or of flat field/value lists under RESP2).
+fn parse_consumers(v: &Value) -> Option<Vec<MemberInfo>> {
+    let Value::Array(items) = v else {
+        return None;
+    };
+    items
+        .iter()
+        .map(|item| {
+            let pairs: Vec<(&Value, &Value)> = match item {
+                Value::Map(kv) => kv.iter().map(|(k, v)| (k, v)).collect(),
+                Value::Array(flat) => flat.chunks_exact(2).map(|c| (&c[0], &c[1])).collect(),
+                _ => return None,
+            };
+            let (mut name, mut pending, mut idle) = (None, None, None);
+            for (k, v) in pairs {
+                let k: String = redis::from_redis_value_ref(k).ok()?;
+                match k.as_str() {
+                    "name" => name = redis::from_redis_value_ref::<String>(v).ok(),
+                    "pending" => pending = redis::from_redis_value_ref::<i64>(v).ok(),
+                    "idle" => idle = redis::from_redis_value_ref::<i64>(v).ok(),
+                    _ => {}
+                }
+            }
+            Some(MemberInfo {
+                name: name?,
+                pending: pending?,
+                idle_ms: u64::try_from(idle?).unwrap_or(0),
+            })
+        })
+        .collect()
+}
+
 /// Parses `[[id, [field, value, …]], …]`.
 fn parse_entries(v: &Value, deliveries: u32) -> Option<Vec<RawEntry>> {
     let Value::Array(items) = v else {
@@ -448,4 +685,45 @@ fn parse_entries(v: &Value, deliveries: u32) -> Option<Vec<RawEntry>> {
             })
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use super::*;
+
+    fn bulk(s: &str) -> Value {
+        Value::BulkString(s.as_bytes().to_vec())
+    }
+
+    #[test]
+    fn members_parse_from_resp2_lists_and_resp3_maps() {
+        let flat = Value::Array(vec![Value::Array(vec![
+            bulk("name"),
+            bulk("m1"),
+            bulk("pending"),
+            Value::Int(3),
+            bulk("idle"),
+            Value::Int(4500),
+            bulk("inactive"),
+            Value::Int(4500),
+        ])]);
+        let map = Value::Array(vec![Value::Map(vec![
+            (bulk("name"), bulk("m2")),
+            (bulk("pending"), Value::Int(0)),
+            (bulk("idle"), Value::Int(12)),
+        ])]);
+        assert_eq!(
+            parse_consumers(&flat).unwrap(),
+            vec![MemberInfo {
+                name: "m1".into(),
+                pending: 3,
+                idle_ms: 4500
+            }]
+        );
+        assert_eq!(parse_consumers(&map).unwrap()[0].name, "m2");
+        assert!(parse_consumers(&Value::Int(1)).is_none());
+        assert!(parse_consumers(&Value::Array(vec![Value::Array(vec![bulk("name")])])).is_none());
+    }
 }

@@ -5,6 +5,7 @@
 use sea_orm::ConnectionTrait;
 use uuid::Uuid;
 
+use super::sql::text_array;
 use super::{DbErrorKind, StoreError, classify, stmt};
 
 /// Where a consumer group stands in one aggregate, read under the position's row lock.
@@ -141,6 +142,43 @@ pub async fn positions<C: ConnectionTrait>(
         "SELECT aggregate_type, aggregate_id, last_seq FROM outpost_consumer_position \
          WHERE consumer_group = $1 ORDER BY aggregate_type, aggregate_id",
         [group.into()],
+    ))
+    .await
+    .map_err(StoreError::from_db)?
+    .into_iter()
+    .map(|r| {
+        Ok((
+            r.try_get_by_index(0).map_err(StoreError::from_db)?,
+            r.try_get_by_index(1).map_err(StoreError::from_db)?,
+            r.try_get_by_index(2).map_err(StoreError::from_db)?,
+        ))
+    })
+    .collect()
+}
+
+/// The group's position in each of `aggregates` (`(aggregate type, aggregate id)`) it has
+/// seen, in one statement without a lock: what a member holding events ahead of a gap reads to
+/// learn which gaps have filled. Aggregates the group has not seen are left out.
+pub async fn positions_of<C: ConnectionTrait>(
+    conn: &C,
+    group: &str,
+    aggregates: &[(&str, &str)],
+) -> Result<Vec<(String, String, i64)>, StoreError> {
+    if aggregates.is_empty() {
+        return Ok(Vec::new());
+    }
+    let types: Vec<&str> = aggregates.iter().map(|(t, _)| *t).collect();
+    let ids: Vec<&str> = aggregates.iter().map(|(_, i)| *i).collect();
+    conn.query_all_raw(stmt(
+        "SELECT p.aggregate_type, p.aggregate_id, p.last_seq \
+         FROM unnest($2::text[], $3::text[]) AS v(t, i) \
+         JOIN outpost_consumer_position p \
+           ON p.consumer_group = $1 AND p.aggregate_type = v.t AND p.aggregate_id = v.i",
+        [
+            group.into(),
+            text_array(&types).into(),
+            text_array(&ids).into(),
+        ],
     ))
     .await
     .map_err(StoreError::from_db)?

@@ -152,6 +152,7 @@ pub fn settings_at(
     s.claim_idle = Duration::from_secs(1);
     s.claim_interval = Duration::from_millis(200);
     s.order_wait = Duration::from_millis(500);
+    s.member_timeout = Duration::from_millis(500);
     s.retry_backoff = Duration::from_millis(20);
     s
 }
