@@ -120,27 +120,10 @@ impl Store {
         if partitions.is_empty() {
             return Ok(Vec::new());
         }
-        static SQL: LazyLock<String> = LazyLock::new(|| {
-            format!(
-                "SELECT {CLAIM_COLUMNS} \
-                 FROM unnest($1::int4[]) AS p(partition), LATERAL ( \
-                   SELECT t.*, \
-                          sum(pg_column_size(t.payload) + pg_column_size(t.headers)) \
-                            OVER (ORDER BY t.id) AS running, \
-                          row_number() OVER (ORDER BY t.id) AS n \
-                   FROM (SELECT e.* FROM outpost_event e \
-                         WHERE e.partition = p.partition \
-                           AND e.status IN ('pending', 'retry_wait') \
-                           AND e.next_attempt_at <= now() \
-                         ORDER BY e.id LIMIT $2) t) w \
-                 WHERE w.n = 1 OR w.running <= $3 \
-                 ORDER BY w.partition, w.id"
-            )
-        });
         let rows = self
             .connection()
             .query_all_raw(stmt(
-                &SQL,
+                claim_many_sql(),
                 [
                     num_array(partitions).into(),
                     i64::from(max_rows).into(),
@@ -168,29 +151,10 @@ impl Store {
         if partitions.is_empty() {
             return Ok(Vec::new());
         }
-        // The inner scan carries each row's payload as stored (a TOAST pointer for a large
-        // one); only the rows within the bounds are read out as text.
-        static SQL: LazyLock<String> = LazyLock::new(|| {
-            format!(
-                "SELECT {CLAIM_COLUMNS}, w.scanned \
-                 FROM (SELECT t.*, \
-                              row_number() OVER (PARTITION BY t.partition ORDER BY t.id) AS n, \
-                              sum(pg_column_size(t.payload) + pg_column_size(t.headers)) \
-                                OVER (PARTITION BY t.partition ORDER BY t.id) AS running, \
-                              count(*) OVER () AS scanned \
-                       FROM (SELECT e.* FROM outpost_event e \
-                             WHERE e.partition = ANY($1::int4[]) \
-                               AND e.status IN ('pending', 'retry_wait') \
-                               AND e.next_attempt_at <= now() \
-                             ORDER BY e.partition, e.id LIMIT $2) t) w \
-                 WHERE w.n <= $3 AND (w.n = 1 OR w.running <= $4) \
-                 ORDER BY w.partition, w.id"
-            )
-        });
         let rows = self
             .connection()
             .query_all_raw(stmt(
-                &SQL,
+                claim_polled_sql(),
                 [
                     num_array(partitions).into(),
                     (i64::from(cap) + 1).into(),
@@ -208,6 +172,49 @@ impl Store {
             return self.claim_many(partitions, max_rows, max_bytes).await;
         }
         rows.iter().map(claimed_event).collect()
+    }
+
+    /// The plan of [`Store::claim_many`] (or, when `polled`, of [`Store::claim_polled`]'s scan
+    /// with `cap` = `max_rows`) as PostgreSQL runs it, from `EXPLAIN (ANALYZE, BUFFERS, FORMAT
+    /// JSON)`: for the tests and benchmarks that check which rows and pages a claim reads.
+    pub async fn explain_claim(
+        &self,
+        partitions: &[i32],
+        max_rows: u32,
+        max_bytes: u64,
+        polled: bool,
+    ) -> Result<serde_json::Value, StoreError> {
+        let bytes = i64::try_from(max_bytes).unwrap_or(i64::MAX);
+        let (sql, values): (&str, Vec<Value>) = if polled {
+            (
+                claim_polled_sql(),
+                vec![
+                    num_array(partitions).into(),
+                    (i64::from(max_rows) + 1).into(),
+                    i64::from(max_rows).into(),
+                    bytes.into(),
+                ],
+            )
+        } else {
+            (
+                claim_many_sql(),
+                vec![
+                    num_array(partitions).into(),
+                    i64::from(max_rows).into(),
+                    bytes.into(),
+                ],
+            )
+        };
+        let row = self
+            .connection()
+            .query_one_raw(stmt(
+                &format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {sql}"),
+                values,
+            ))
+            .await
+            .map_err(StoreError::from_db)?
+            .ok_or_else(|| StoreError::Corrupt("EXPLAIN returned no row".to_owned()))?;
+        row.try_get_by_index(0).map_err(StoreError::from_db)
     }
 
     /// Marks (or deletes) published rows of several partitions in one statement. Each lease is
@@ -656,4 +663,63 @@ fn split3(items: &[(String, String, i64)]) -> (Value, Value, Value) {
         text_array(&ids).into(),
         num_array(&seqs).into(),
     )
+}
+/// The statement of [`Store::claim_many`]: `$1` partitions, `$2` rows, `$3` bytes per partition.
+fn claim_many_sql() -> &'static str {
+    static SQL: LazyLock<String> = LazyLock::new(|| {
+        format!(
+            "SELECT {CLAIM_COLUMNS} \
+             FROM unnest($1::int4[]) AS p(partition), LATERAL ( \
+               SELECT t.*, \
+                      sum(pg_column_size(t.payload) + pg_column_size(t.headers)) \
+                        OVER (ORDER BY t.id) AS running, \
+                      row_number() OVER (ORDER BY t.id) AS n \
+               FROM (SELECT u.* FROM ( \
+                       (SELECT e.* FROM outpost_event e \
+                         WHERE e.partition = p.partition AND e.status = 'pending' \
+                           AND e.next_attempt_at <= now() \
+                         ORDER BY e.id LIMIT $2) \
+                       UNION ALL \
+                       (SELECT e.* FROM outpost_event e \
+                         WHERE e.partition = p.partition AND e.status = 'retry_wait' \
+                           AND e.next_attempt_at <= now() \
+                         ORDER BY e.id LIMIT $2)) u \
+                     ORDER BY u.id LIMIT $2) t) w \
+             WHERE w.n = 1 OR w.running <= $3 \
+             ORDER BY w.partition, w.id"
+        )
+    });
+    &SQL
+}
+
+/// The statement of [`Store::claim_polled`]: `$1` partitions, `$2` rows scanned at most, `$3`
+/// rows and `$4` bytes per partition.
+fn claim_polled_sql() -> &'static str {
+    // The inner scan carries each row's payload as stored (a TOAST pointer for a large
+    // one); only the rows within the bounds are read out as text.
+    static SQL: LazyLock<String> = LazyLock::new(|| {
+        format!(
+            "SELECT {CLAIM_COLUMNS}, w.scanned \
+             FROM (SELECT t.*, \
+                          row_number() OVER (PARTITION BY t.partition ORDER BY t.id) AS n, \
+                          sum(pg_column_size(t.payload) + pg_column_size(t.headers)) \
+                            OVER (PARTITION BY t.partition ORDER BY t.id) AS running, \
+                          count(*) OVER () AS scanned \
+                   FROM (SELECT u.* FROM ( \
+                           (SELECT e.* FROM outpost_event e \
+                             WHERE e.partition = ANY($1::int4[]) \
+                               AND e.status = 'pending' AND e.next_attempt_at <= now() \
+                             ORDER BY e.partition, e.id LIMIT $2) \
+                           UNION ALL \
+                           (SELECT e.* FROM outpost_event e \
+                             WHERE e.partition = ANY($1::int4[]) \
+                               AND e.status = 'retry_wait' \
+                               AND e.next_attempt_at <= now() \
+                             ORDER BY e.partition, e.id LIMIT $2)) u \
+                         ORDER BY u.partition, u.id LIMIT $2) t) w \
+             WHERE w.n <= $3 AND (w.n = 1 OR w.running <= $4) \
+             ORDER BY w.partition, w.id"
+        )
+    });
+    &SQL
 }
