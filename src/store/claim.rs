@@ -5,6 +5,7 @@
 //! results are recorded ([`Store::record_batch`]) and at Redis when publishing.
 
 use std::sync::LazyLock;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use sea_orm::{ConnectionTrait, TransactionTrait, Value};
 
@@ -175,8 +176,9 @@ impl Store {
     }
 
     /// The plan of [`Store::claim_many`] (or, when `polled`, of [`Store::claim_polled`]'s scan
-    /// with `cap` = `max_rows`) as PostgreSQL runs it, from `EXPLAIN (ANALYZE, BUFFERS, FORMAT
-    /// JSON)`: for the tests and benchmarks that check which rows and pages a claim reads.
+    /// with `cap` = `max_rows`) as PostgreSQL runs it for the relay's workers (a prepared
+    /// statement with a generic plan), from `EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON)`: for the
+    /// tests and benchmarks that check which rows and pages a claim reads.
     pub async fn explain_claim(
         &self,
         partitions: &[i32],
@@ -184,37 +186,56 @@ impl Store {
         max_bytes: u64,
         polled: bool,
     ) -> Result<serde_json::Value, StoreError> {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let name = format!(
+            "outpost_explain_claim_{}",
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        );
         let bytes = i64::try_from(max_bytes).unwrap_or(i64::MAX);
-        let (sql, values): (&str, Vec<Value>) = if polled {
+        // The arguments are numbers formatted here, never text from outside.
+        let (sql, args) = if polled {
             (
                 claim_polled_sql(),
-                vec![
-                    num_array(partitions).into(),
-                    (i64::from(max_rows) + 1).into(),
-                    i64::from(max_rows).into(),
-                    bytes.into(),
-                ],
+                format!(
+                    "'{}', {}, {}, {bytes}",
+                    num_array(partitions),
+                    i64::from(max_rows) + 1,
+                    max_rows
+                ),
             )
         } else {
             (
                 claim_many_sql(),
-                vec![
-                    num_array(partitions).into(),
-                    i64::from(max_rows).into(),
-                    bytes.into(),
-                ],
+                format!("'{}', {max_rows}, {bytes}", num_array(partitions)),
             )
         };
-        let row = self
+        let txn = self
             .connection()
+            .begin()
+            .await
+            .map_err(StoreError::from_db)?;
+        txn.execute_unprepared(&format!(
+            "SET LOCAL plan_cache_mode = force_generic_plan; PREPARE {name} AS {sql}"
+        ))
+        .await
+        .map_err(StoreError::from_db)?;
+        let plan = txn
             .query_one_raw(stmt(
-                &format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {sql}"),
-                values,
+                &format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE {name}({args})"),
+                [],
             ))
             .await
             .map_err(StoreError::from_db)?
-            .ok_or_else(|| StoreError::Corrupt("EXPLAIN returned no row".to_owned()))?;
-        row.try_get_by_index(0).map_err(StoreError::from_db)
+            .ok_or_else(|| StoreError::Corrupt("EXPLAIN returned no row".to_owned()))?
+            .try_get_by_index(0)
+            .map_err(StoreError::from_db)?;
+        // A prepared statement outlives the transaction (after an error above, its name is
+        // never used again).
+        txn.execute_unprepared(&format!("DEALLOCATE {name}"))
+            .await
+            .map_err(StoreError::from_db)?;
+        txn.commit().await.map_err(StoreError::from_db)?;
+        Ok(plan)
     }
 
     /// Marks (or deletes) published rows of several partitions in one statement. Each lease is
@@ -664,7 +685,14 @@ fn split3(items: &[(String, String, i64)]) -> (Value, Value, Value) {
         num_array(&seqs).into(),
     )
 }
+
 /// The statement of [`Store::claim_many`]: `$1` partitions, `$2` rows, `$3` bytes per partition.
+///
+/// Pending rows are read in id order from `outpost_event_pending`; retries from
+/// `outpost_event_retry_due`, only those due (`next_attempt_at <= now()`), then put in id order.
+/// The retries' scan is a subquery of its own (`OFFSET 0`): asked for rows in id order directly,
+/// the planner may walk the primary key in id order instead and read every retry that is not due
+/// yet on its way.
 fn claim_many_sql() -> &'static str {
     static SQL: LazyLock<String> = LazyLock::new(|| {
         format!(
@@ -680,10 +708,10 @@ fn claim_many_sql() -> &'static str {
                            AND e.next_attempt_at <= now() \
                          ORDER BY e.id LIMIT $2) \
                        UNION ALL \
-                       (SELECT e.* FROM outpost_event e \
-                         WHERE e.partition = p.partition AND e.status = 'retry_wait' \
-                           AND e.next_attempt_at <= now() \
-                         ORDER BY e.id LIMIT $2)) u \
+                       (SELECT r.* FROM (SELECT e.* FROM outpost_event e \
+                          WHERE e.partition = p.partition AND e.status = 'retry_wait' \
+                            AND e.next_attempt_at <= now() OFFSET 0) r \
+                         ORDER BY r.id LIMIT $2)) u \
                      ORDER BY u.id LIMIT $2) t) w \
              WHERE w.n = 1 OR w.running <= $3 \
              ORDER BY w.partition, w.id"
@@ -693,7 +721,7 @@ fn claim_many_sql() -> &'static str {
 }
 
 /// The statement of [`Store::claim_polled`]: `$1` partitions, `$2` rows scanned at most, `$3`
-/// rows and `$4` bytes per partition.
+/// rows and `$4` bytes per partition. Its two scans are those of [`claim_many_sql`].
 fn claim_polled_sql() -> &'static str {
     // The inner scan carries each row's payload as stored (a TOAST pointer for a large
     // one); only the rows within the bounds are read out as text.
@@ -711,11 +739,11 @@ fn claim_polled_sql() -> &'static str {
                                AND e.status = 'pending' AND e.next_attempt_at <= now() \
                              ORDER BY e.partition, e.id LIMIT $2) \
                            UNION ALL \
-                           (SELECT e.* FROM outpost_event e \
-                             WHERE e.partition = ANY($1::int4[]) \
-                               AND e.status = 'retry_wait' \
-                               AND e.next_attempt_at <= now() \
-                             ORDER BY e.partition, e.id LIMIT $2)) u \
+                           (SELECT r.* FROM (SELECT e.* FROM outpost_event e \
+                              WHERE e.partition = ANY($1::int4[]) \
+                                AND e.status = 'retry_wait' \
+                                AND e.next_attempt_at <= now() OFFSET 0) r \
+                             ORDER BY r.partition, r.id LIMIT $2)) u \
                          ORDER BY u.partition, u.id LIMIT $2) t) w \
              WHERE w.n <= $3 AND (w.n = 1 OR w.running <= $4) \
              ORDER BY w.partition, w.id"
