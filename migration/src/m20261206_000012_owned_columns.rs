@@ -27,7 +27,9 @@
 //!   owned column filled in as before;
 //! - `outpost_insert_events` takes the events as ten arrays (one per column a producer writes)
 //!   and runs the statement the producer API sent until now, unchanged but for reading the rows
-//!   from the arrays. PL/pgSQL plans it once per session instead of once per call.
+//!   from the arrays. It costs PostgreSQL more than that statement did: about 2.3–2.5 ms of CPU
+//!   per 100-event transaction against 1.75–1.95 (`scripts/bench-insert-many`, 2026-12-06, see
+//!   docs/benchmarks.md), none of it from the trigger's new condition.
 //!
 //! **Retries that were not due were read by every claim.** The claim's index,
 //! `outpost_event_ready (partition, id) WHERE status IN ('pending', 'retry_wait')`, held the
