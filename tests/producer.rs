@@ -430,8 +430,8 @@ async fn producers_cannot_forge_delivery_state() {
         ("pending", 0, 1)
     );
     assert!(row.partition < 64);
-    // Naming its own transaction's id marks a row as sequenced by the producer API's statement;
-    // by hand, without the id, sequence and partition, it is refused instead of half-filled.
+    // Naming its own transaction's id claims the columns only Outpost fills in: by hand it is
+    // refused (with or without an id, sequence and partition; see tests/owned_columns.rs).
     let err = db
         .store
         .connection()
@@ -443,7 +443,9 @@ async fn producers_cannot_forge_delivery_state() {
         .map(|_| ())
         .map_err(StoreError::from_db);
     assert!(
-        matches!(&err, Err(StoreError::Rejected { detail, .. }) if detail.contains("not-null")),
+        matches!(&err, Err(StoreError::Rejected { constraint, detail })
+            if constraint == "outpost_event_owned_columns_check"
+                && detail.contains("leave these columns out")),
         "{err:?}"
     );
     assert_eq!(scalar(&db, "SELECT count(*) FROM outpost_event").await, 1);

@@ -38,6 +38,7 @@ mod m20261203_000008_published_history;
 mod m20261205_000009_nudge_opt_out;
 mod m20261206_000010_insert_fixes;
 mod m20261206_000011_stream_positions;
+mod m20261206_000012_owned_columns;
 
 /// The ordered list of Outpost's migrations, recorded in `outpost_migrations`.
 #[derive(Debug)]
@@ -58,6 +59,7 @@ impl MigratorTrait for Migrator {
             Box::new(m20261205_000009_nudge_opt_out::Migration),
             Box::new(m20261206_000010_insert_fixes::Migration),
             Box::new(m20261206_000011_stream_positions::Migration),
+            Box::new(m20261206_000012_owned_columns::Migration),
         ]
     }
 

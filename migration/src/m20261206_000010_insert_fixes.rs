@@ -33,28 +33,11 @@ use crate::m20261202_000007_lean_insert::before_insert_function;
 
 sql_migration!();
 
-const UP: &str = r#"
-ALTER TABLE outpost_node ADD COLUMN nudge_until timestamptz NOT NULL DEFAULT '-infinity';
--- Nodes of the version before keep asking without moving nudge_until: their requests are good
--- for an hour after their last heartbeat, time enough to replace them with this version.
-UPDATE outpost_node SET nudge_until = heartbeat_at + interval '1 hour';
-
--- Raises the error of the time rule for a time outside the years 1 to 9999 (true otherwise).
-CREATE FUNCTION outpost_event_check_time(p_occurred_at timestamptz) RETURNS boolean
-LANGUAGE plpgsql AS $$
-BEGIN
-    IF p_occurred_at BETWEEN '0001-01-01 00:00:00+00' AND '9999-12-31 23:59:59.999999+00' THEN
-        RETURN true;
-    END IF;
-    PERFORM outpost_event_refuse('outpost_event_occurred_at_check', 'occurred_at',
-        format('occurred_at %s is not a time between the years 1 and 9999', p_occurred_at),
-        'send when the fact happened (now() when in doubt); infinity and far dates cannot be '
-        'written into a stream entry');
-    RETURN false;
-END
-$$;
-
-CREATE OR REPLACE FUNCTION outpost_event_before_insert() RETURNS trigger
+/// The insert trigger's function as this migration writes it (`m20261206_000012_owned_columns`
+/// restores it on `down`).
+macro_rules! insert_fixes_function {
+    () => {
+        r#"CREATE OR REPLACE FUNCTION outpost_event_before_insert() RETURNS trigger
 LANGUAGE plpgsql AS $$
 DECLARE
     v_nudge boolean;
@@ -116,7 +99,36 @@ BEGIN
     RETURN NEW;
 END
 $$;
-"#;
+"#
+    };
+}
+pub(crate) use insert_fixes_function;
+
+const UP: &str = concat!(
+    r#"
+ALTER TABLE outpost_node ADD COLUMN nudge_until timestamptz NOT NULL DEFAULT '-infinity';
+-- Nodes of the version before keep asking without moving nudge_until: their requests are good
+-- for an hour after their last heartbeat, time enough to replace them with this version.
+UPDATE outpost_node SET nudge_until = heartbeat_at + interval '1 hour';
+
+-- Raises the error of the time rule for a time outside the years 1 to 9999 (true otherwise).
+CREATE FUNCTION outpost_event_check_time(p_occurred_at timestamptz) RETURNS boolean
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF p_occurred_at BETWEEN '0001-01-01 00:00:00+00' AND '9999-12-31 23:59:59.999999+00' THEN
+        RETURN true;
+    END IF;
+    PERFORM outpost_event_refuse('outpost_event_occurred_at_check', 'occurred_at',
+        format('occurred_at %s is not a time between the years 1 and 9999', p_occurred_at),
+        'send when the fact happened (now() when in doubt); infinity and far dates cannot be '
+        'written into a stream entry');
+    RETURN false;
+END
+$$;
+
+"#,
+    insert_fixes_function!()
+);
 
 const DOWN: &str = concat!(
     before_insert_function!(

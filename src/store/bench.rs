@@ -222,16 +222,16 @@ impl Store {
 
     /// True while some row of `table` is waiting to be published (`pending` or `retry_wait`).
     /// Cheap at any backlog size, so it can be polled during a drain without loading the
-    /// database the way `count(*)` over the backlog would: the order matches the ready index, so
+    /// database the way `count(*)` over the backlog would: each state has a partial index, so
     /// the planner reads its first live entry instead of scanning a heap full of published rows.
     pub async fn has_unpublished(&self, table: BareTable) -> Result<bool, StoreError> {
         let row = self
             .connection()
             .query_one_raw(super::stmt(
                 &format!(
-                    "SELECT 1 FROM {} WHERE status IN ('pending', 'retry_wait') \
-                     ORDER BY partition, id LIMIT 1",
-                    table.name()
+                    "SELECT 1 WHERE EXISTS (SELECT 1 FROM {t} WHERE status = 'pending') \
+                     OR EXISTS (SELECT 1 FROM {t} WHERE status = 'retry_wait')",
+                    t = table.name()
                 ),
                 [],
             ))

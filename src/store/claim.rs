@@ -5,6 +5,7 @@
 //! results are recorded ([`Store::record_batch`]) and at Redis when publishing.
 
 use std::sync::LazyLock;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use sea_orm::{ConnectionTrait, TransactionTrait, Value};
 
@@ -120,27 +121,10 @@ impl Store {
         if partitions.is_empty() {
             return Ok(Vec::new());
         }
-        static SQL: LazyLock<String> = LazyLock::new(|| {
-            format!(
-                "SELECT {CLAIM_COLUMNS} \
-                 FROM unnest($1::int4[]) AS p(partition), LATERAL ( \
-                   SELECT t.*, \
-                          sum(pg_column_size(t.payload) + pg_column_size(t.headers)) \
-                            OVER (ORDER BY t.id) AS running, \
-                          row_number() OVER (ORDER BY t.id) AS n \
-                   FROM (SELECT e.* FROM outpost_event e \
-                         WHERE e.partition = p.partition \
-                           AND e.status IN ('pending', 'retry_wait') \
-                           AND e.next_attempt_at <= now() \
-                         ORDER BY e.id LIMIT $2) t) w \
-                 WHERE w.n = 1 OR w.running <= $3 \
-                 ORDER BY w.partition, w.id"
-            )
-        });
         let rows = self
             .connection()
             .query_all_raw(stmt(
-                &SQL,
+                claim_many_sql(),
                 [
                     num_array(partitions).into(),
                     i64::from(max_rows).into(),
@@ -168,29 +152,10 @@ impl Store {
         if partitions.is_empty() {
             return Ok(Vec::new());
         }
-        // The inner scan carries each row's payload as stored (a TOAST pointer for a large
-        // one); only the rows within the bounds are read out as text.
-        static SQL: LazyLock<String> = LazyLock::new(|| {
-            format!(
-                "SELECT {CLAIM_COLUMNS}, w.scanned \
-                 FROM (SELECT t.*, \
-                              row_number() OVER (PARTITION BY t.partition ORDER BY t.id) AS n, \
-                              sum(pg_column_size(t.payload) + pg_column_size(t.headers)) \
-                                OVER (PARTITION BY t.partition ORDER BY t.id) AS running, \
-                              count(*) OVER () AS scanned \
-                       FROM (SELECT e.* FROM outpost_event e \
-                             WHERE e.partition = ANY($1::int4[]) \
-                               AND e.status IN ('pending', 'retry_wait') \
-                               AND e.next_attempt_at <= now() \
-                             ORDER BY e.partition, e.id LIMIT $2) t) w \
-                 WHERE w.n <= $3 AND (w.n = 1 OR w.running <= $4) \
-                 ORDER BY w.partition, w.id"
-            )
-        });
         let rows = self
             .connection()
             .query_all_raw(stmt(
-                &SQL,
+                claim_polled_sql(),
                 [
                     num_array(partitions).into(),
                     (i64::from(cap) + 1).into(),
@@ -208,6 +173,69 @@ impl Store {
             return self.claim_many(partitions, max_rows, max_bytes).await;
         }
         rows.iter().map(claimed_event).collect()
+    }
+
+    /// The plan of [`Store::claim_many`] (or, when `polled`, of [`Store::claim_polled`]'s scan
+    /// with `cap` = `max_rows`) as PostgreSQL runs it for the relay's workers (a prepared
+    /// statement with a generic plan), from `EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON)`: for the
+    /// tests and benchmarks that check which rows and pages a claim reads.
+    pub async fn explain_claim(
+        &self,
+        partitions: &[i32],
+        max_rows: u32,
+        max_bytes: u64,
+        polled: bool,
+    ) -> Result<serde_json::Value, StoreError> {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let name = format!(
+            "outpost_explain_claim_{}",
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        );
+        let bytes = i64::try_from(max_bytes).unwrap_or(i64::MAX);
+        // The arguments are numbers formatted here, never text from outside.
+        let (sql, args) = if polled {
+            (
+                claim_polled_sql(),
+                format!(
+                    "'{}', {}, {}, {bytes}",
+                    num_array(partitions),
+                    i64::from(max_rows) + 1,
+                    max_rows
+                ),
+            )
+        } else {
+            (
+                claim_many_sql(),
+                format!("'{}', {max_rows}, {bytes}", num_array(partitions)),
+            )
+        };
+        let txn = self
+            .connection()
+            .begin()
+            .await
+            .map_err(StoreError::from_db)?;
+        txn.execute_unprepared(&format!(
+            "SET LOCAL plan_cache_mode = force_generic_plan; PREPARE {name} AS {sql}"
+        ))
+        .await
+        .map_err(StoreError::from_db)?;
+        let plan = txn
+            .query_one_raw(stmt(
+                &format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE {name}({args})"),
+                [],
+            ))
+            .await
+            .map_err(StoreError::from_db)?
+            .ok_or_else(|| StoreError::Corrupt("EXPLAIN returned no row".to_owned()))?
+            .try_get_by_index(0)
+            .map_err(StoreError::from_db)?;
+        // A prepared statement outlives the transaction (after an error above, its name is
+        // never used again).
+        txn.execute_unprepared(&format!("DEALLOCATE {name}"))
+            .await
+            .map_err(StoreError::from_db)?;
+        txn.commit().await.map_err(StoreError::from_db)?;
+        Ok(plan)
     }
 
     /// Marks (or deletes) published rows of several partitions in one statement. Each lease is
@@ -656,4 +684,70 @@ fn split3(items: &[(String, String, i64)]) -> (Value, Value, Value) {
         text_array(&ids).into(),
         num_array(&seqs).into(),
     )
+}
+
+/// The statement of [`Store::claim_many`]: `$1` partitions, `$2` rows, `$3` bytes per partition.
+///
+/// Pending rows are read in id order from `outpost_event_pending`; retries from
+/// `outpost_event_retry_due`, only those due (`next_attempt_at <= now()`), then put in id order.
+/// The retries' scan is a subquery of its own (`OFFSET 0`): asked for rows in id order directly,
+/// the planner may walk the primary key in id order instead and read every retry that is not due
+/// yet on its way.
+fn claim_many_sql() -> &'static str {
+    static SQL: LazyLock<String> = LazyLock::new(|| {
+        format!(
+            "SELECT {CLAIM_COLUMNS} \
+             FROM unnest($1::int4[]) AS p(partition), LATERAL ( \
+               SELECT t.*, \
+                      sum(pg_column_size(t.payload) + pg_column_size(t.headers)) \
+                        OVER (ORDER BY t.id) AS running, \
+                      row_number() OVER (ORDER BY t.id) AS n \
+               FROM (SELECT u.* FROM ( \
+                       (SELECT e.* FROM outpost_event e \
+                         WHERE e.partition = p.partition AND e.status = 'pending' \
+                           AND e.next_attempt_at <= now() \
+                         ORDER BY e.id LIMIT $2) \
+                       UNION ALL \
+                       (SELECT r.* FROM (SELECT e.* FROM outpost_event e \
+                          WHERE e.partition = p.partition AND e.status = 'retry_wait' \
+                            AND e.next_attempt_at <= now() OFFSET 0) r \
+                         ORDER BY r.id LIMIT $2)) u \
+                     ORDER BY u.id LIMIT $2) t) w \
+             WHERE w.n = 1 OR w.running <= $3 \
+             ORDER BY w.partition, w.id"
+        )
+    });
+    &SQL
+}
+
+/// The statement of [`Store::claim_polled`]: `$1` partitions, `$2` rows scanned at most, `$3`
+/// rows and `$4` bytes per partition. Its two scans are those of [`claim_many_sql`].
+fn claim_polled_sql() -> &'static str {
+    // The inner scan carries each row's payload as stored (a TOAST pointer for a large
+    // one); only the rows within the bounds are read out as text.
+    static SQL: LazyLock<String> = LazyLock::new(|| {
+        format!(
+            "SELECT {CLAIM_COLUMNS}, w.scanned \
+             FROM (SELECT t.*, \
+                          row_number() OVER (PARTITION BY t.partition ORDER BY t.id) AS n, \
+                          sum(pg_column_size(t.payload) + pg_column_size(t.headers)) \
+                            OVER (PARTITION BY t.partition ORDER BY t.id) AS running, \
+                          count(*) OVER () AS scanned \
+                   FROM (SELECT u.* FROM ( \
+                           (SELECT e.* FROM outpost_event e \
+                             WHERE e.partition = ANY($1::int4[]) \
+                               AND e.status = 'pending' AND e.next_attempt_at <= now() \
+                             ORDER BY e.partition, e.id LIMIT $2) \
+                           UNION ALL \
+                           (SELECT r.* FROM (SELECT e.* FROM outpost_event e \
+                              WHERE e.partition = ANY($1::int4[]) \
+                                AND e.status = 'retry_wait' \
+                                AND e.next_attempt_at <= now() OFFSET 0) r \
+                             ORDER BY r.partition, r.id LIMIT $2)) u \
+                         ORDER BY u.partition, u.id LIMIT $2) t) w \
+             WHERE w.n <= $3 AND (w.n = 1 OR w.running <= $4) \
+             ORDER BY w.partition, w.id"
+        )
+    });
+    &SQL
 }

@@ -101,10 +101,12 @@ impl Store {
     ) -> Result<LeaseTick, StoreError> {
         static WITH_POLL: LazyLock<String> = LazyLock::new(|| {
             tick_sql(
-                "r.partition IS NOT NULL AND EXISTS ( \
+                "r.partition IS NOT NULL AND (EXISTS ( \
                    SELECT 1 FROM outpost_event e WHERE e.partition = r.partition \
-                   AND e.status IN ('pending', 'retry_wait') \
-                   AND e.next_attempt_at <= now())",
+                   AND e.status = 'pending' AND e.next_attempt_at <= now()) \
+                 OR EXISTS ( \
+                   SELECT 1 FROM outpost_event e WHERE e.partition = r.partition \
+                   AND e.status = 'retry_wait' AND e.next_attempt_at <= now()))",
             )
         });
         static WITHOUT_POLL: LazyLock<String> = LazyLock::new(|| tick_sql("false"));

@@ -13,6 +13,12 @@ use sea_orm::{ConnectionTrait, TransactionTrait, Value};
 use super::sql::{num_array, text_array};
 use super::{Store, StoreError, stmt};
 
+/// Turns on, for the rest of the transaction, the setting under which the outbox's insert
+/// trigger leaves rows that carry their transaction's id as they are
+/// (`m20261206_000012_owned_columns`); [`FILLED_BY_OUTPOST_OFF`] turns it off again.
+const FILLED_BY_OUTPOST_ON: &str = "SELECT set_config('outpost.filled_by_outpost', 'on', true)";
+const FILLED_BY_OUTPOST_OFF: &str = "SELECT set_config('outpost.filled_by_outpost', 'off', true)";
+
 /// The newest entry a partition appended to a stream, as recorded with its mark.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StreamMark {
@@ -267,19 +273,24 @@ impl Store {
         let republished = if window_secs == 0 {
             0
         } else {
-            // The rows carry this transaction's id, so the insert trigger leaves their
-            // sequence, partition and id as they are; `txid` then names the re-queuing
-            // transaction. An event whose id a producer wrote again after it was published
-            // stays in the history: the outbox holds an event under that id already, which is
-            // published anyway, and the move must not fail on it.
+            // The rows carry this transaction's id and are written with
+            // `outpost.filled_by_outpost` on (for this statement only), so the insert trigger
+            // leaves their sequence, partition and id as they are; `txid` then names the
+            // re-queuing transaction. An event whose id a producer wrote again after it was
+            // published stays in the history: the outbox holds an event under that id already,
+            // which is published anyway, and the move must not fail on it.
+            txn.execute_raw(stmt(FILLED_BY_OUTPOST_ON, []))
+                .await
+                .map_err(StoreError::from_db)?;
             let columns = super::claim::PUBLISHED_COLUMNS
                 .split(", ")
                 .map(|c| if c == "txid" { "txid_current()" } else { c })
                 .collect::<Vec<_>>()
                 .join(", ");
-            txn.execute_raw(stmt(
-                &format!(
-                    "WITH back AS (DELETE FROM outpost_published p \
+            let moved = txn
+                .execute_raw(stmt(
+                    &format!(
+                        "WITH back AS (DELETE FROM outpost_published p \
                        WHERE p.partition = $1 \
                          AND p.published_at >= now() - $4 * interval '1 second' \
                          AND {after} \
@@ -288,13 +299,17 @@ impl Store {
                        RETURNING p.*) \
                      INSERT INTO outpost_event ({}, status, next_attempt_at) \
                      SELECT {columns}, 'pending', now() FROM back",
-                    super::claim::PUBLISHED_COLUMNS
-                ),
-                after_cut(),
-            ))
-            .await
-            .map_err(StoreError::from_db)?
-            .rows_affected()
+                        super::claim::PUBLISHED_COLUMNS
+                    ),
+                    after_cut(),
+                ))
+                .await
+                .map_err(StoreError::from_db)?
+                .rows_affected();
+            txn.execute_raw(stmt(FILLED_BY_OUTPOST_OFF, []))
+                .await
+                .map_err(StoreError::from_db)?;
+            moved
         };
         // Rows after the loss point that had left the window: counted through the history's
         // index on `published_at`, from a minute before the loss point (the clocks of Redis and

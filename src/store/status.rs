@@ -164,8 +164,10 @@ async fn oldest_undelivered(
              FROM ( \
                SELECT e.recorded_at FROM outpost_partition p, LATERAL ( \
                  SELECT recorded_at FROM outpost_event \
-                 WHERE partition = p.partition AND status IN ('pending', 'retry_wait') \
+                 WHERE partition = p.partition AND status = 'pending' \
                  ORDER BY id LIMIT 1) e \
+               UNION ALL \
+               (SELECT min(recorded_at) FROM outpost_event WHERE status = 'retry_wait') \
                UNION ALL \
                (SELECT recorded_at FROM outpost_event WHERE status = 'held' ORDER BY id LIMIT 1) \
              ) t",
