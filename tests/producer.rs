@@ -866,8 +866,11 @@ async fn the_lean_insert_migration_reverts_and_reapplies() {
     let mut listener = nudged_node(&db).await;
     let partition = scalar(&db, "SELECT outpost_partition_of('o', '1', 64)::int8").await;
     let partition = i32::try_from(partition).unwrap();
+    // Not counted: the trigger that ends `outpost.filled_by_outpost` (a later migration, not
+    // what this one changed).
     let triggers = "SELECT count(*) FROM pg_trigger \
-                    WHERE tgrelid = 'outpost_event'::regclass AND NOT tgisinternal";
+                    WHERE tgrelid = 'outpost_event'::regclass AND NOT tgisinternal \
+                      AND tgname <> 'outpost_event_filled_reset'";
 
     for (step, expected_triggers) in [("now", 1), ("reverted", 2), ("reapplied", 1)] {
         match step {

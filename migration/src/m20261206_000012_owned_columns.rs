@@ -11,12 +11,13 @@
 //! (breaking the aggregate's order), or any delivery state. Now:
 //!
 //! - the trigger is skipped only for rows written while `outpost.filled_by_outpost` is `on`.
-//!   Outpost's own statements set it: the producer API's many-event insert goes through
-//!   `outpost_insert_events`, a function declared with `SET outpost.filled_by_outpost = on`
-//!   (PostgreSQL sets it on entry and restores it on exit, also on an error, so it holds for the
-//!   function's statement and nothing after it), and the re-queue after a Redis data loss sets it
-//!   for its one statement. The condition is read only for rows that name their own
-//!   transaction's `txid`; for every other row the first comparison decides, as before;
+//!   Outpost's own statements turn it on before their first row: the producer API's many-event
+//!   insert with `set_config` in a CTE that every row joins, the re-queue after a Redis data loss
+//!   just before its statement. A statement trigger (`outpost_event_filled_reset`, run only while
+//!   the setting is on) turns it off when the statement ends, so it covers that statement's rows
+//!   and nothing written after it (a rolled-back statement takes the setting back with it). The
+//!   condition is read only for rows that name their own transaction's `txid`; for every other
+//!   row the first comparison decides, as before;
 //! - a row that names its own transaction's `txid` and reaches the trigger is refused:
 //!   SQLSTATE 23514 (`check_violation`) naming `outpost_event_owned_columns_check`, with the
 //!   columns it tried to set and a hint to leave them out. Refused rather than filled in: a
@@ -25,11 +26,10 @@
 //!   them in would advance it a second time, leaving holes in the sequence. Such producers fail
 //!   visibly until they are upgraded. A row with no `txid`, or another transaction's, has every
 //!   owned column filled in as before;
-//! - `outpost_insert_events` takes the events as ten arrays (one per column a producer writes)
-//!   and runs the statement the producer API sent until now, unchanged but for reading the rows
-//!   from the arrays. It costs PostgreSQL more than that statement did: about 2.3–2.5 ms of CPU
-//!   per 100-event transaction against 1.75–1.95 (`scripts/bench-insert-many`, 2026-12-06, see
-//!   docs/benchmarks.md), none of it from the trigger's new condition.
+//! - the producer API's statement for many events keeps its form and its cost: one `set_config`
+//!   and one statement trigger per statement (a version that went through a function taking the
+//!   rows as arrays cost PostgreSQL about a quarter more CPU per 100-event transaction;
+//!   docs/benchmarks.md).
 //!
 //! **Retries that were not due were read by every claim.** The claim's index,
 //! `outpost_event_ready (partition, id) WHERE status IN ('pending', 'retry_wait')`, held the
@@ -167,66 +167,20 @@ CREATE TRIGGER outpost_event_before_insert BEFORE INSERT ON outpost_event
                           IS DISTINCT FROM 'on')
     EXECUTE FUNCTION outpost_event_before_insert();
 
--- The producer API's statement for many events, with the rows as arrays: locks the aggregates
--- in key order and advances each by its count of events, gives every event the next sequence
--- numbers of its aggregate in the order given and an id drawn after its aggregate's lock, checks
--- the rules with the functions the trigger calls (raising the same errors), nudges once per
--- partition as the trigger would, and writes the rows with their transaction's id. The setting
--- holds while the function runs, so the trigger leaves these rows alone.
-CREATE FUNCTION outpost_insert_events(
-    p_event_id uuid[], p_aggregate_type text[], p_aggregate_id text[],
-    p_aggregate_version bigint[], p_event_type text[], p_schema_version text[],
-    p_occurred_at timestamptz[], p_payload jsonb[], p_headers jsonb[], p_destination text[])
-RETURNS TABLE (out_id bigint, out_event_id uuid, out_aggregate_seq bigint,
-               out_partition integer, out_txid bigint, out_status text)
-LANGUAGE plpgsql
-SET outpost.filled_by_outpost = 'on'
-AS $$
+-- Outpost's statements that write their own columns turn outpost.filled_by_outpost on before
+-- their first row (set_config, local to the transaction); this turns it off again when such a
+-- statement ends, so it covers that statement's rows and nothing written after it. The WHEN
+-- clause keeps every other INSERT from running the function.
+CREATE FUNCTION outpost_event_filled_reset() RETURNS trigger
+LANGUAGE plpgsql AS $$
 BEGIN
-    RETURN QUERY
-    WITH e AS (
-        SELECT * FROM unnest(p_event_id, p_aggregate_type, p_aggregate_id, p_aggregate_version,
-                             p_event_type, p_schema_version, p_occurred_at, p_payload,
-                             p_headers, p_destination) WITH ORDINALITY
-            AS e(event_id, aggregate_type, aggregate_id, aggregate_version, event_type,
-                 schema_version, occurred_at, payload, headers, destination, ord)
-    ), a AS (
-        INSERT INTO outpost_aggregate AS a (aggregate_type, aggregate_id, last_seq, partition)
-        SELECT e.aggregate_type, e.aggregate_id, count(*),
-               outpost_partition_of(e.aggregate_type, e.aggregate_id,
-                                    (SELECT m.partition_count FROM outpost_meta m))
-          FROM e GROUP BY e.aggregate_type, e.aggregate_id
-         ORDER BY e.aggregate_type, e.aggregate_id
-        ON CONFLICT (aggregate_type, aggregate_id)
-            DO UPDATE SET last_seq = a.last_seq + EXCLUDED.last_seq
-        RETURNING a.aggregate_type, a.aggregate_id, a.last_seq, a.partition, a.blocked_seq,
-                  CASE WHEN EXISTS (SELECT FROM outpost_node n
-                                    WHERE n.wants_nudge AND n.nudge_until > now())
-                            AND coalesce(lower(current_setting('outpost.nudge', true)), '')
-                                NOT IN ('off', 'false', 'no', '0')
-                       THEN pg_notify('outpost_wakeup', a.partition::text)::text END AS nudged
-    )
-    INSERT INTO outpost_event AS o (id, event_id, aggregate_type, aggregate_id, aggregate_seq,
-        aggregate_version, event_type, schema_version, occurred_at, payload, headers,
-        destination, partition, txid, status)
-    SELECT nextval('outpost_event_id_seq'), e.event_id, e.aggregate_type, e.aggregate_id,
-           a.last_seq - count(*) OVER w + row_number() OVER w, e.aggregate_version,
-           e.event_type, e.schema_version, e.occurred_at, e.payload, e.headers, e.destination,
-           a.partition, txid_current(),
-           CASE WHEN a.blocked_seq IS NULL THEN 'pending' ELSE 'held' END
-      FROM e JOIN a ON a.aggregate_type = e.aggregate_type AND a.aggregate_id = e.aggregate_id
-     WHERE (outpost_event_row_ok(e.aggregate_type, e.aggregate_id, e.event_type,
-                                 e.schema_version, e.payload, e.headers, e.destination)
-            OR outpost_event_check_rules(e.aggregate_type, e.aggregate_id, e.event_type,
-                                         e.schema_version, e.payload, e.headers, e.destination))
-       AND (e.occurred_at BETWEEN '0001-01-01 00:00:00+00' AND '9999-12-31 23:59:59.999999+00'
-            OR outpost_event_check_time(e.occurred_at))
-    WINDOW w AS (PARTITION BY e.aggregate_type, e.aggregate_id ORDER BY e.ord
-                 ROWS BETWEEN UNBOUNDED PRECEDING AND UNBOUNDED FOLLOWING)
-     ORDER BY e.ord
-    RETURNING o.id, o.event_id, o.aggregate_seq, o.partition, o.txid, o.status;
+    PERFORM set_config('outpost.filled_by_outpost', 'off', true);
+    RETURN NULL;
 END
 $$;
+CREATE TRIGGER outpost_event_filled_reset AFTER INSERT ON outpost_event
+    FOR EACH STATEMENT WHEN (current_setting('outpost.filled_by_outpost', true) = 'on')
+    EXECUTE FUNCTION outpost_event_filled_reset();
 
 -- The claim's indexes: pending rows in id order, and waiting retries by when they are due.
 CREATE INDEX outpost_event_pending ON outpost_event (partition, id) WHERE status = 'pending';
@@ -242,8 +196,8 @@ CREATE INDEX outpost_event_ready ON outpost_event (partition, id)
     WHERE status IN ('pending', 'retry_wait');
 DROP INDEX outpost_event_retry_due;
 DROP INDEX outpost_event_pending;
-DROP FUNCTION outpost_insert_events(uuid[], text[], text[], bigint[], text[], text[],
-                                    timestamptz[], jsonb[], jsonb[], text[]);
+DROP TRIGGER outpost_event_filled_reset ON outpost_event;
+DROP FUNCTION outpost_event_filled_reset();
 DROP TRIGGER outpost_event_before_insert ON outpost_event;
 CREATE TRIGGER outpost_event_before_insert BEFORE INSERT ON outpost_event
     FOR EACH ROW WHEN (NEW.txid IS DISTINCT FROM txid_current())

@@ -87,42 +87,37 @@ pub(super) fn insert_sql(table: &str, rows: usize) -> String {
         " (event_id, aggregate_type, aggregate_id, aggregate_version, \
          event_type, schema_version, occurred_at, payload, headers, destination) VALUES ",
     );
-    push_rows(&mut sql, rows, &PLAIN_CASTS);
+    push_rows(&mut sql, rows, false, &PLAIN_CASTS);
     sql.push_str(" RETURNING id, event_id, aggregate_seq, partition, txid, status");
     sql
 }
 
-/// The statement that writes several events at once: a call of `outpost_insert_events`
-/// (`m20261206_000012_owned_columns`), which does in one pass over the rows what the insert
-/// trigger does for one: the aggregates' rows are locked in key order (so two producers never
-/// deadlock on each other) and each advanced by its count of events; every event gets the next
-/// sequence numbers of its aggregate in the order given and an id drawn after its aggregate's
-/// lock; the rules are checked (the same functions the trigger calls, raising the same errors);
-/// a node that asked for nudges gets one per partition, unless the transaction set
-/// `outpost.nudge` off. The function runs with `outpost.filled_by_outpost` on, so the trigger
-/// leaves its rows alone; a row written otherwise that names its own transaction's id is refused.
-/// The rows go in as one array per column, each built from the bind values of [`insert_sql`].
+/// The statement that writes several events at once, doing in one pass over the rows what the
+/// insert trigger does for one: the aggregates' rows are locked in key order (so two producers
+/// never deadlock on each other) and each advanced by its count of events; every event gets the
+/// next sequence numbers of its aggregate in the order given and an id drawn after its
+/// aggregate's lock; the rules are checked (the same functions the trigger calls, raising the
+/// same errors); a node that asked for nudges gets one per partition, unless the transaction set
+/// `outpost.nudge` off (read as the trigger reads it: `m20261205_000009_nudge_opt_out`). The
+/// trigger leaves such rows alone: they come with their own transaction's id (and their id,
+/// sequence and partition), written while `outpost.filled_by_outpost` is on. The statement turns
+/// the setting on before its first row (`f`, which every row joins), and the statement trigger
+/// of `m20261206_000012_owned_columns` turns it off when the statement ends, so a row written
+/// in any other statement that names its own transaction's id is refused.
+/// The bind values are those of [`insert_sql`].
 fn insert_many_sql(rows: usize) -> String {
-    let mut sql = String::with_capacity(100 + rows * COLUMNS * 14);
-    sql.push_str("SELECT * FROM outpost_insert_events(");
-    for (c, cast) in TYPED_CASTS.iter().enumerate() {
-        sql.push_str(if c > 0 { ",ARRAY[" } else { "ARRAY[" });
-        for i in 0..rows {
-            if i > 0 {
-                sql.push(',');
-            }
-            sql.push('$');
-            sql.push_str(&(i * COLUMNS + c + 1).to_string());
-            sql.push_str(cast);
-        }
-        sql.push(']');
-    }
-    sql.push(')');
+    let mut sql = String::with_capacity(2000 + rows * 140);
+    sql.push_str(
+        "WITH e (ord, event_id, aggregate_type, aggregate_id, aggregate_version, event_type, \
+         schema_version, occurred_at, payload, headers, destination) AS (VALUES ",
+    );
+    push_rows(&mut sql, rows, true, &TYPED_CASTS);
+    sql.push_str(INSERT_MANY_TAIL);
     sql
 }
 
 /// The casts of the bind values in a plain `VALUES` list (PostgreSQL infers the other types from
-/// the target columns) and in the arrays of [`insert_many_sql`], in [`insert_values`] order.
+/// the target columns) and in the typed one of [`insert_many_sql`], in [`insert_values`] order.
 const PLAIN_CASTS: [&str; COLUMNS] = ["", "", "", "", "", "", "", "::jsonb", "::jsonb", ""];
 const TYPED_CASTS: [&str; COLUMNS] = [
     "::uuid",
@@ -137,10 +132,15 @@ const TYPED_CASTS: [&str; COLUMNS] = [
     "::text",
 ];
 
-/// Appends `rows` rows of bind placeholders, `($1,…,$10),($11,…)`.
-fn push_rows(sql: &mut String, rows: usize, casts: &[&str; COLUMNS]) {
+/// Appends `rows` rows of bind placeholders, `($1,…,$10),($11,…)`, each led by its index when
+/// `with_ord`.
+fn push_rows(sql: &mut String, rows: usize, with_ord: bool, casts: &[&str; COLUMNS]) {
     for i in 0..rows {
         sql.push_str(if i > 0 { ",(" } else { "(" });
+        if with_ord {
+            sql.push_str(&i.to_string());
+            sql.push(',');
+        }
         for (c, cast) in casts.iter().enumerate() {
             if c > 0 {
                 sql.push(',');
@@ -152,6 +152,43 @@ fn push_rows(sql: &mut String, rows: usize, casts: &[&str; COLUMNS]) {
         sql.push(')');
     }
 }
+
+const INSERT_MANY_TAIL: &str = "), \
+a AS ( \
+    INSERT INTO outpost_aggregate AS a (aggregate_type, aggregate_id, last_seq, partition) \
+    SELECT aggregate_type, aggregate_id, count(*), \
+           outpost_partition_of(aggregate_type, aggregate_id, \
+                                (SELECT partition_count FROM outpost_meta)) \
+      FROM e GROUP BY aggregate_type, aggregate_id ORDER BY aggregate_type, aggregate_id \
+    ON CONFLICT (aggregate_type, aggregate_id) \
+        DO UPDATE SET last_seq = a.last_seq + EXCLUDED.last_seq \
+    RETURNING aggregate_type, aggregate_id, last_seq, partition, blocked_seq, \
+              CASE WHEN EXISTS (SELECT FROM outpost_node \
+                                WHERE wants_nudge AND nudge_until > now()) \
+                        AND coalesce(lower(current_setting('outpost.nudge', true)), '') \
+                            NOT IN ('off', 'false', 'no', '0') \
+                   THEN pg_notify('outpost_wakeup', partition::text)::text END AS nudged \
+), \
+f AS MATERIALIZED (SELECT set_config('outpost.filled_by_outpost', 'on', true) AS filled) \
+INSERT INTO outpost_event (id, event_id, aggregate_type, aggregate_id, aggregate_seq, \
+    aggregate_version, event_type, schema_version, occurred_at, payload, headers, destination, \
+    partition, txid, status) \
+SELECT nextval('outpost_event_id_seq'), e.event_id, e.aggregate_type, e.aggregate_id, \
+       a.last_seq - count(*) OVER w + row_number() OVER w, e.aggregate_version, e.event_type, \
+       e.schema_version, e.occurred_at, e.payload, e.headers, e.destination, a.partition, \
+       txid_current(), CASE WHEN a.blocked_seq IS NULL THEN 'pending' ELSE 'held' END \
+  FROM e JOIN a USING (aggregate_type, aggregate_id) CROSS JOIN f \
+ WHERE f.filled = 'on' \
+   AND (outpost_event_row_ok(e.aggregate_type, e.aggregate_id, e.event_type, \
+                             e.schema_version, e.payload, e.headers, e.destination) \
+        OR outpost_event_check_rules(e.aggregate_type, e.aggregate_id, e.event_type, \
+                                     e.schema_version, e.payload, e.headers, e.destination)) \
+   AND (e.occurred_at BETWEEN '0001-01-01 00:00:00+00' AND '9999-12-31 23:59:59.999999+00' \
+        OR outpost_event_check_time(e.occurred_at)) \
+WINDOW w AS (PARTITION BY e.aggregate_type, e.aggregate_id ORDER BY e.ord \
+             ROWS BETWEEN UNBOUNDED PRECEDING AND UNBOUNDED FOLLOWING) \
+ ORDER BY e.ord \
+RETURNING id, event_id, aggregate_seq, partition, txid, status";
 
 /// The bind values of [`insert_sql`] and [`insert_many_sql`], row after row.
 pub(super) fn insert_values(rows: &[NewEventRow]) -> Vec<Value> {
@@ -222,30 +259,26 @@ fn insert_error(err: sea_orm::DbErr, rows: &[NewEventRow]) -> StoreError {
 
 #[cfg(test)]
 mod tests {
-    use super::{PLAIN_CASTS, insert_many_sql, push_rows};
+    use super::{PLAIN_CASTS, TYPED_CASTS, push_rows};
 
     #[test]
     fn placeholders_number_the_bind_values_row_after_row() {
         let mut plain = String::new();
-        push_rows(&mut plain, 2, &PLAIN_CASTS);
+        push_rows(&mut plain, 2, false, &PLAIN_CASTS);
         assert_eq!(
             plain,
             "($1,$2,$3,$4,$5,$6,$7,$8::jsonb,$9::jsonb,$10),\
              ($11,$12,$13,$14,$15,$16,$17,$18::jsonb,$19::jsonb,$20)"
         );
-    }
-
-    #[test]
-    fn the_many_event_call_passes_one_array_per_column() {
-        let sql = insert_many_sql(2);
+        let mut typed = String::new();
+        push_rows(&mut typed, 2, true, &TYPED_CASTS);
+        assert!(typed.starts_with("(0,$1::uuid,$2::text,"), "{typed}");
         assert!(
-            sql.starts_with("SELECT * FROM outpost_insert_events(ARRAY[$1::uuid,$11::uuid],"),
-            "{sql}"
+            typed.ends_with(
+                ",(1,$11::uuid,$12::text,$13::text,$14::int8,$15::text,$16::text,\
+                                $17::timestamptz,$18::jsonb,$19::jsonb,$20::text)"
+            ),
+            "{typed}"
         );
-        assert!(
-            sql.ends_with(",ARRAY[$9::jsonb,$19::jsonb],ARRAY[$10::text,$20::text])"),
-            "{sql}"
-        );
-        assert_eq!(sql.matches("ARRAY[").count(), 10, "{sql}");
     }
 }
