@@ -173,13 +173,18 @@ impl RateLimits {
         }
     }
 
-    /// The most entries one batch may append to `stream` (the burst of its bucket), or `None`
-    /// when the stream has no limit of its own.
-    pub fn stream_cap(&self, stream: &str) -> Option<usize> {
+    /// The limit of `stream`: its own in `rate_limit.streams`, or `per_stream_per_sec`.
+    fn quota_of(&self, stream: &str) -> Option<Quota> {
         match self.streams.get(stream) {
-            Some(q) => q.map(|q| q.burst),
-            None => self.per_stream.map(|q| q.burst),
+            Some(q) => *q,
+            None => self.per_stream,
         }
+    }
+
+    /// The most entries one batch may append to `stream` (the burst of its bucket), or `None`
+    /// when no limit applies to the stream itself.
+    pub fn stream_cap(&self, stream: &str) -> Option<usize> {
+        self.quota_of(stream).map(|q| q.burst)
     }
 
     /// The most entries one batch may append over all streams (the global burst).
@@ -202,11 +207,7 @@ impl RateLimits {
             streams: Vec::new(),
         };
         for &(stream, n) in calls.iter().filter(|c| c.1 > 0) {
-            let quota = match self.streams.get(stream) {
-                Some(q) => *q,
-                None => self.per_stream,
-            };
-            match quota {
+            match self.quota_of(stream) {
                 None => wants.base += n,
                 Some(q) => match wants.streams.iter_mut().find(|w| w.0 == stream) {
                     Some(w) => w.2 = (w.2 + n).min(q.burst),
