@@ -103,8 +103,8 @@ impl Bench<'_> {
         self.isolation().await
     }
 
-    /// Starts the cluster with `tweak` applied to each node's configuration and waits until
-    /// its nodes own every partition.
+    /// Starts the cluster's nodes, `tweak` applied to each one's configuration (they share the
+    /// partitions as they come up: the measurements leave time for it).
     async fn start(&self, tweak: impl Fn(&mut Config)) -> anyhow::Result<Vec<NodeHandle>> {
         let mut nodes = Vec::new();
         for i in 0..self.args.nodes {
@@ -153,7 +153,15 @@ impl Bench<'_> {
         )
         .await?;
         let global = args.global;
-        let nodes = self.start(|c| c.rate_limit.global_per_sec = global).await?;
+        let nodes = self
+            .start(|c| {
+                // Only the limit under test, and the streams the measurement reads.
+                c.routing.stream = "events:{aggregate_type}".to_owned();
+                c.routing.overrides.clear();
+                c.rate_limit = Default::default();
+                c.rate_limit.global_per_sec = global;
+            })
+            .await?;
         let pattern = format!("{}events:*", self.scratch.prefix);
         let measured = async {
             tokio::time::sleep(WARM_UP).await;
