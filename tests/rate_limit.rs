@@ -20,14 +20,18 @@ async fn two_nodes_share_one_stream_budget_and_a_limited_stream_holds_up_no_othe
     let db = TestDb::with_pool(8).await;
     let redis = TestRedis::new();
     // "slow" events go to events:slow, limited to 5/s with a burst of 5 over the cluster; "fast"
-    // events go to events:fast, unlimited. Both spread over every partition.
-    let (rate, burst, slow_n, fast_n) = (5_i64, 5_i64, 40_usize, 600_usize);
-    let settings = [
+    // events go to events:fast, unlimited. Both spread over every partition. The slow stream
+    // needs half a minute under its limit: the unlimited one has that long to be out.
+    let (rate, burst, slow_n, fast_n) = (5_i64, 5_i64, 150_usize, 600_usize);
+    let routes = [
         ("routing.overrides.slow", "events:slow"),
         ("routing.overrides.fast", "events:fast"),
+    ];
+    let limits = [
         ("rate_limit.streams.events:slow", "5"),
         ("rate_limit.burst", "5"),
     ];
+    let settings: Vec<(&str, &str)> = routes.iter().chain(&limits).copied().collect();
     let mut facts: Vec<EventFact> = (0..slow_n)
         .map(|i| EventFact::new("order", format!("s{i}"), "slow", json!({ "i": i })))
         .collect();
@@ -62,20 +66,34 @@ async fn two_nodes_share_one_stream_budget_and_a_limited_stream_holds_up_no_othe
          permits ({slow_then} of {} slow events out)",
         slow_n + 1
     );
+    wait_until(
+        30,
+        "forty slow events to be published under the limit",
+        || {
+            let mut c = conn.clone();
+            let key = slow_key.clone();
+            async move { support::read_stream(&mut c, &key).await.len() >= 40 }
+        },
+    )
+    .await;
+    a.shutdown().await;
+    b.shutdown().await;
+    let limited = support::read_stream(&mut conn, &slow_key).await;
+
+    // A node without the limit publishes the rest.
+    let c = support::start_node(support::relay_config_for(&db, &redis, "rate-c", &routes)).await;
     wait_until(60, "every slow event to be published", || {
         let mut c = conn.clone();
         let key = slow_key.clone();
         async move { support::read_stream(&mut c, &key).await.len() > slow_n }
     })
     .await;
-    a.shutdown().await;
-    b.shutdown().await;
+    c.shutdown().await;
 
     // The budget held for the two nodes together: in any stretch of the stream, at most the
     // burst plus the rate times its length went out (one second of slack for the time between a
     // permit and its append). Two budgets of their own would have let out twice as many.
-    let slow = support::read_stream(&mut conn, &slow_key).await;
-    let at: Vec<i64> = slow.iter().map(|(id, _)| entry_ms(id)).collect();
+    let at: Vec<i64> = limited.iter().map(|(id, _)| entry_ms(id)).collect();
     for i in 0..at.len() {
         for j in i..at.len() {
             let count = i64::try_from(j - i + 1).unwrap();
@@ -106,6 +124,7 @@ async fn two_nodes_share_one_stream_budget_and_a_limited_stream_holds_up_no_othe
             .map(|(id, _)| entry_ms(id))
             .unwrap()
     };
+    let slow = support::read_stream(&mut conn, &slow_key).await;
     let fast = support::read_stream(&mut conn, &fast_key).await;
     assert!(
         mixed_at(&fast) >= mixed_at(&slow),

@@ -81,12 +81,7 @@ pub(super) async fn run(config: &Config, args: RateBench) -> anyhow::Result<()> 
             store,
             scratch: &scratch,
         };
-        let outcome = tokio::select! {
-            r = bench.run_parts() => r,
-            _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted; cleaned up")),
-        };
-        bench.store.connection().clone().close().await.ok();
-        outcome
+        super::scratch::until_interrupted(bench.run_parts(), &bench.store).await
     }
     .await;
     scratch.finish(outcome).await

@@ -74,3 +74,17 @@ impl Scratch {
         Ok(value)
     }
 }
+
+/// Runs a benchmark's parts until they end or the user interrupts them, then closes `store`'s
+/// pool: the caller's cleanup ([`Scratch::finish`]) runs either way.
+pub(super) async fn until_interrupted(
+    parts: impl std::future::Future<Output = anyhow::Result<()>>,
+    store: &Store,
+) -> anyhow::Result<()> {
+    let outcome = tokio::select! {
+        r = parts => r,
+        _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted; cleaned up")),
+    };
+    store.connection().clone().close().await.ok();
+    outcome
+}

@@ -710,28 +710,16 @@ async fn permits(
             let mut routes: Vec<(RouteKey, Option<String>)> = Vec::new();
             let mut counts: Vec<(String, usize)> = Vec::new();
             for row in rows.iter().filter(|r| r.undecodable.is_none()) {
-                let stream = match routes.iter().find(|((t, e, d), _)| {
-                    *t == row.aggregate_type && *e == row.event_type && *d == row.destination
-                }) {
-                    Some((_, s)) => s.clone(),
-                    None => {
-                        let s = stream_for(
-                            &worker.shared.router,
-                            &worker.publisher,
-                            row,
-                            leases[*i].partition,
-                        )
-                        .ok()
-                        .flatten();
-                        let key = (
-                            row.aggregate_type.clone(),
-                            row.event_type.clone(),
-                            row.destination.clone(),
-                        );
-                        routes.push((key, s.clone()));
-                        s
-                    }
-                };
+                let stream = route_cached(&mut routes, row, || {
+                    stream_for(
+                        &worker.shared.router,
+                        &worker.publisher,
+                        row,
+                        leases[*i].partition,
+                    )
+                    .ok()
+                    .flatten()
+                });
                 let Some(stream) = stream else { continue };
                 match counts.iter_mut().find(|(s, _)| *s == stream) {
                     Some(c) => c.1 += 1,
@@ -779,6 +767,29 @@ fn stream_for(
     }
 }
 
+/// `make`'s value for the route of `row`, computed once per (aggregate type, event type,
+/// destination) in `cache`: most rows of a batch share them.
+fn route_cached<T: Clone>(
+    cache: &mut Vec<(RouteKey, T)>,
+    row: &ClaimedEvent,
+    make: impl FnOnce() -> T,
+) -> T {
+    let known = cache.iter().find(|((t, e, d), _)| {
+        *t == row.aggregate_type && *e == row.event_type && *d == row.destination
+    });
+    if let Some((_, value)) = known {
+        return value.clone();
+    }
+    let value = make();
+    let key = (
+        row.aggregate_type.clone(),
+        row.event_type.clone(),
+        row.destination.clone(),
+    );
+    cache.push((key, value.clone()));
+    value
+}
+
 /// `(aggregate type, event type, destination)`: what routing depends on.
 type RouteKey = (String, String, Option<String>);
 /// Where a route's rows go, or why they cannot be routed.
@@ -822,6 +833,9 @@ fn plan(
     let keys = std::collections::hash_map::RandomState::new();
     // Entries in the plan's stream batches.
     let mut entries = 0usize;
+    // The most entries the plan may append (rate-limit bursts): per stream batch, and in all.
+    let mut caps: Vec<Option<usize>> = Vec::new();
+    let total_cap = limits.total_cap();
     for row in rows {
         let key = keys.hash_one((&row.aggregate_type, &row.aggregate_id));
         if matches!(aggregates.get(&key), Some(None)) {
@@ -843,45 +857,33 @@ fn plan(
             aggregates.insert(key, None);
             continue;
         }
-        let known_route = routes.iter().find(|((t, e, d), _)| {
-            *t == row.aggregate_type && *e == row.event_type && *d == row.destination
-        });
-        let route = match known_route {
-            Some((_, r)) => r.clone(),
-            None => {
-                let r = match stream_for(router, publisher, &row, lease.partition) {
-                    Ok(None) => Ok(Target::Nowhere),
-                    Ok(Some(stream)) if refused.holds(&stream) => Ok(Target::Waiting),
-                    Ok(Some(stream)) => {
-                        // Several routes may name one stream: they share its batch, so an
-                        // aggregate's entries in a stream stay in one call, in order.
-                        match plan.batches.iter().position(|b| b.stream == stream) {
-                            Some(idx) => Ok(Target::Batch(idx)),
-                            None => {
-                                plan.batches.push(StreamBatch {
-                                    known: book.is_known(&stream),
-                                    expect: book.expected(&stream, lease.partition),
-                                    stream,
-                                    partition: lease.partition,
-                                    epoch: fence_epoch(lease.epoch),
-                                    entries: Vec::new(),
-                                });
-                                plan.origins.push(Vec::new());
-                                Ok(Target::Batch(plan.batches.len() - 1))
-                            }
+        let route = route_cached(&mut routes, &row, || {
+            match stream_for(router, publisher, &row, lease.partition) {
+                Ok(None) => Ok(Target::Nowhere),
+                Ok(Some(stream)) if refused.holds(&stream) => Ok(Target::Waiting),
+                Ok(Some(stream)) => {
+                    // Several routes may name one stream: they share its batch, so an
+                    // aggregate's entries in a stream stay in one call, in order.
+                    match plan.batches.iter().position(|b| b.stream == stream) {
+                        Some(idx) => Ok(Target::Batch(idx)),
+                        None => {
+                            caps.push(limits.stream_cap(&stream));
+                            plan.batches.push(StreamBatch {
+                                known: book.is_known(&stream),
+                                expect: book.expected(&stream, lease.partition),
+                                stream,
+                                partition: lease.partition,
+                                epoch: fence_epoch(lease.epoch),
+                                entries: Vec::new(),
+                            });
+                            plan.origins.push(Vec::new());
+                            Ok(Target::Batch(plan.batches.len() - 1))
                         }
                     }
-                    Err(e) => Err(e),
-                };
-                let combination = (
-                    row.aggregate_type.clone(),
-                    row.event_type.clone(),
-                    row.destination.clone(),
-                );
-                routes.push((combination, r.clone()));
-                r
+                }
+                Err(e) => Err(e),
             }
-        };
+        });
         let idx = match route {
             Ok(Target::Waiting) => {
                 aggregates.insert(key, None);
@@ -922,11 +924,7 @@ fn plan(
         }
         // A batch appends no more than a rate limit's burst: the rest waits for the next one.
         let full = |cap: Option<usize>, n: usize| cap.is_some_and(|c| n >= c);
-        if full(
-            limits.stream_cap(&plan.batches[idx].stream),
-            plan.batches[idx].entries.len(),
-        ) || full(limits.total_cap(), entries)
-        {
+        if full(caps[idx], plan.batches[idx].entries.len()) || full(total_cap, entries) {
             aggregates.insert(key, None);
             continue;
         }

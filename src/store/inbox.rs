@@ -132,6 +132,15 @@ pub async fn record_processed<C: ConnectionTrait>(
     }
 }
 
+/// `(aggregate type, aggregate id, last sequence)` of a position row.
+fn position_row(r: &sea_orm::QueryResult) -> Result<(String, String, i64), StoreError> {
+    Ok((
+        r.try_get_by_index(0).map_err(StoreError::from_db)?,
+        r.try_get_by_index(1).map_err(StoreError::from_db)?,
+        r.try_get_by_index(2).map_err(StoreError::from_db)?,
+    ))
+}
+
 /// The group's position in every aggregate it has seen, for checks and tools: `(aggregate type,
 /// aggregate id, last sequence)`.
 pub async fn positions<C: ConnectionTrait>(
@@ -145,14 +154,8 @@ pub async fn positions<C: ConnectionTrait>(
     ))
     .await
     .map_err(StoreError::from_db)?
-    .into_iter()
-    .map(|r| {
-        Ok((
-            r.try_get_by_index(0).map_err(StoreError::from_db)?,
-            r.try_get_by_index(1).map_err(StoreError::from_db)?,
-            r.try_get_by_index(2).map_err(StoreError::from_db)?,
-        ))
-    })
+    .iter()
+    .map(position_row)
     .collect()
 }
 
@@ -182,13 +185,7 @@ pub async fn positions_of<C: ConnectionTrait>(
     ))
     .await
     .map_err(StoreError::from_db)?
-    .into_iter()
-    .map(|r| {
-        Ok((
-            r.try_get_by_index(0).map_err(StoreError::from_db)?,
-            r.try_get_by_index(1).map_err(StoreError::from_db)?,
-            r.try_get_by_index(2).map_err(StoreError::from_db)?,
-        ))
-    })
+    .iter()
+    .map(position_row)
     .collect()
 }
