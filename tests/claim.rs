@@ -183,3 +183,89 @@ async fn a_claim_reads_due_retries_only() {
         );
     }
 }
+
+/// A claim past a cursor (a partition moving past rows that wait for a rate-limit permit)
+/// returns the rows after it, except those of aggregates that still have a pending row at or
+/// before it: no event overtakes an earlier one of its aggregate. It says which partitions
+/// stopped at a bound.
+#[tokio::test]
+async fn a_claim_past_a_cursor_skips_aggregates_still_waiting_before_it() {
+    let db = TestDb::new().await;
+    // Four aggregates of one partition whose events interleave in id order.
+    let p = 5;
+    let mut aggregates = Vec::new();
+    for skip in 0..4 {
+        aggregates.push(support::aggregate_in(&db, p, skip).await);
+    }
+    for round in 0..5 {
+        let facts = aggregates
+            .iter()
+            .map(|a| EventFact::new("order", a.clone(), "order.placed", json!({ "r": round })))
+            .collect();
+        commit_facts(&db.store, facts).await;
+    }
+    let all = db.store.claim_many(&[p], 500, u64::MAX).await.unwrap();
+    assert_eq!(all.len(), 20);
+    let rows: Vec<&ClaimedEvent> = all.iter().collect();
+    // The cursor after the third row: three aggregates still wait before it, the fourth not.
+    let cursor = rows[2].id;
+    let waiting: std::collections::HashSet<&str> =
+        rows[..3].iter().map(|r| r.aggregate_id.as_str()).collect();
+    let expected: Vec<i64> = rows
+        .iter()
+        .filter(|r| r.id > cursor && !waiting.contains(r.aggregate_id.as_str()))
+        .map(|r| r.id)
+        .collect();
+    assert_eq!(expected.len(), 5, "the fourth aggregate's rows");
+
+    let (past, full) = db
+        .store
+        .claim_after(&[(p, cursor), (p + 64, 0)], 500, u64::MAX)
+        .await
+        .unwrap();
+    assert_eq!(past.iter().map(|r| r.id).collect::<Vec<_>>(), expected);
+    assert!(full.is_empty(), "nothing was left behind a bound: {full:?}");
+
+    // Once the rows before the cursor are gone (published), their aggregates' later rows come.
+    let before: Vec<i64> = rows[..3].iter().map(|r| r.id).collect();
+    support::scalar(
+        &db,
+        &format!(
+            "WITH d AS (DELETE FROM outpost_event WHERE id IN ({})) SELECT 0::int8",
+            before
+                .iter()
+                .map(i64::to_string)
+                .collect::<Vec<_>>()
+                .join(",")
+        ),
+    )
+    .await;
+    let (past, _) = db
+        .store
+        .claim_after(&[(p, cursor)], 500, u64::MAX)
+        .await
+        .unwrap();
+    let later: Vec<i64> = rows
+        .iter()
+        .filter(|r| r.id > cursor)
+        .map(|r| r.id)
+        .collect();
+    assert_eq!(past.iter().map(|r| r.id).collect::<Vec<_>>(), later);
+
+    // A cursor of 0 reads as the plain claim does; bounds are reported.
+    let (from_start, full) = db.store.claim_after(&[(p, 0)], 3, u64::MAX).await.unwrap();
+    assert_eq!(
+        from_start,
+        db.store.claim_many(&[p], 3, u64::MAX).await.unwrap()
+    );
+    assert_eq!(full, vec![p], "three rows of more");
+    let (one, full) = db.store.claim_after(&[(p, 0)], 500, 1).await.unwrap();
+    assert_eq!(one.len(), 1, "always one row, even over the byte bound");
+    assert_eq!(full, vec![p], "stopped at the byte bound");
+    let (_, full) = db
+        .store
+        .claim_after(&[(p, 0)], 500, u64::MAX)
+        .await
+        .unwrap();
+    assert!(full.is_empty());
+}

@@ -4,11 +4,13 @@
 //! 1. **Global limit**: `--nodes` nodes drain a backlog under `rate_limit.global_per_sec =
 //!    --global`; the cluster's rate is measured from the streams' lengths over `--secs` seconds
 //!    after a warm-up (which lets the initial burst out), beside the limit.
-//! 2. **Isolation**: the events go to one stream per partition (`routing.stream =
-//!    "rate:{partition}"`); the nodes drain the backlog twice, once without limits and once with
-//!    the stream of partition 0 limited to `--stream-limit` events/s. The other partitions'
-//!    throughput (from their first entry to their last) is compared between the two runs: a
-//!    limit on one stream should cost the others nothing.
+//! 2. **Isolation**, twice: first the events go to one stream per partition (`routing.stream =
+//!    "rate:{partition}"`) and the stream of partition 0 is the limited one; then two streams
+//!    share every partition, and the limited stream's backlog is the oldest rows of each (eight
+//!    claims' worth), ahead of `--events` rows of the other stream. Each time the nodes drain
+//!    the backlog once without limits and once with the limited stream at `--stream-limit`
+//!    events/s, and the other streams' throughput (from their first entry to their last) is
+//!    compared between the two runs: a limit on one stream should cost the others nothing.
 //!
 //! Works in a scratch database `outpost_bench_rate` and under a Redis key prefix of its own, as
 //! the other benchmarks do. Nodes run in this process.
@@ -18,7 +20,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use clap::Args;
 
-use super::bench_relay::{delete_prefix_keys, preload, print_run_header, stream_entries};
+use super::bench_relay::{
+    Load, delete_prefix_keys, preload, preload_more, print_run_header, stream_entries,
+};
 use super::scratch::Scratch;
 use crate::config::{Config, Secret};
 use crate::dispatch::node::{self, NodeHandle};
@@ -197,47 +201,105 @@ impl Bench<'_> {
 
     async fn isolation(&self) -> anyhow::Result<()> {
         let args = self.args;
-        println!();
-        println!(
-            "== isolation: {} events, one stream per partition (rate:{{partition}}), {} nodes; \
-             without limits, then with stream rate:0 limited to {}/s",
-            args.events, args.nodes, args.stream_limit
-        );
-        let free = self.drain_per_partition(None).await?;
-        let limited = self.drain_per_partition(Some(args.stream_limit)).await?;
-        println!(
-            "other streams   without the limit {:.0} events/s, with it {:.0} events/s: ratio \
-             {:.2}",
-            free.others_rate,
-            limited.others_rate,
-            limited.others_rate / free.others_rate.max(1e-9)
-        );
-        println!(
-            "stream rate:0   {} events: without the limit {:.0} events/s, with it {:.1} \
-             events/s after its burst (limit {})",
-            limited.first_events, free.first_rate, limited.first_rate, args.stream_limit
-        );
+        for mode in [Mode::PerPartition, Mode::Shared] {
+            println!();
+            match mode {
+                Mode::PerPartition => println!(
+                    "== isolation, streams of their own partitions: {} events, one stream per \
+                     partition (rate:{{partition}}), {} nodes; without limits, then with stream \
+                     rate:0 limited to {}/s",
+                    args.events, args.nodes, args.stream_limit
+                ),
+                Mode::Shared => println!(
+                    "== isolation, streams sharing every partition: {} events of stream \
+                     rate:limited (the oldest rows, {} aggregates of their own), then {} of \
+                     stream rate:other, {} nodes; without limits, then with rate:limited \
+                     limited to {}/s (its backlog fills the head of every partition)",
+                    self.limited_events(),
+                    (args.aggregates / 10).max(1),
+                    args.events,
+                    args.nodes,
+                    args.stream_limit
+                ),
+            }
+            let free = self.drain(mode, None).await?;
+            let limited = self.drain(mode, Some(args.stream_limit)).await?;
+            println!(
+                "other streams   without the limit {:.0} events/s, with it {:.0} events/s: \
+                 ratio {:.2}",
+                free.others_rate,
+                limited.others_rate,
+                limited.others_rate / free.others_rate.max(1e-9)
+            );
+            println!(
+                "limited stream  {} events out: without the limit {:.0} events/s, with it \
+                 {:.1} events/s after its burst (limit {})",
+                limited.first_events, free.first_rate, limited.first_rate, args.stream_limit
+            );
+        }
         Ok(())
     }
 
-    /// Drains a fresh backlog with routing by partition, partition 0's stream limited to
-    /// `limit` when given.
-    async fn drain_per_partition(&self, limit: Option<u32>) -> anyhow::Result<Drained> {
+    /// Events of the limited stream in the shared part: eight claims' worth per partition.
+    fn limited_events(&self) -> u64 {
+        u64::from(self.config.relay.batch_rows) * 8 * u64::from(self.partitions)
+    }
+
+    /// Drains a fresh backlog, the limited stream limited to `limit` when given, until the
+    /// other streams' events are all out (and, without a limit, every event).
+    async fn drain(&self, mode: Mode, limit: Option<u32>) -> anyhow::Result<Drained> {
         let args = self.args;
-        preload(
-            self.config,
-            &self.scratch.url,
-            &self.store,
-            args.events,
-            args.aggregates,
-            args.payload_bytes,
-        )
-        .await?;
-        let first = "rate:0".to_owned();
+        let (first, limited_events) = match mode {
+            Mode::PerPartition => {
+                preload(
+                    self.config,
+                    &self.scratch.url,
+                    &self.store,
+                    args.events,
+                    args.aggregates,
+                    args.payload_bytes,
+                )
+                .await?;
+                ("rate:0".to_owned(), None)
+            }
+            Mode::Shared => {
+                self.store.truncate_outbox().await?;
+                // The limited stream's rows first (the oldest), then the others'.
+                let n = self.limited_events();
+                for load in [
+                    Load {
+                        events: n,
+                        aggregates: (args.aggregates / 10).max(1),
+                        payload_bytes: args.payload_bytes,
+                        aggregate_type: "limited",
+                        event_type: "limited",
+                    },
+                    Load {
+                        events: args.events,
+                        aggregates: args.aggregates,
+                        payload_bytes: args.payload_bytes,
+                        aggregate_type: "other",
+                        event_type: "other",
+                    },
+                ] {
+                    preload_more(self.config, &self.scratch.url, &self.store, &load).await?;
+                }
+                ("rate:limited".to_owned(), Some(n))
+            }
+        };
+        let total_events = args.events + limited_events.unwrap_or(0);
         let nodes = self
             .start(|c| {
-                c.routing.stream = "rate:{partition}".to_owned();
                 c.routing.overrides.clear();
+                match mode {
+                    Mode::PerPartition => c.routing.stream = "rate:{partition}".to_owned(),
+                    Mode::Shared => {
+                        c.routing.stream = "rate:other".to_owned();
+                        c.routing
+                            .overrides
+                            .insert("limited".to_owned(), first.clone());
+                    }
+                }
                 c.rate_limit = Default::default();
                 if let Some(l) = limit {
                     c.rate_limit.streams.insert(first.clone(), l);
@@ -245,11 +307,17 @@ impl Bench<'_> {
             })
             .await?;
         let started = Instant::now();
-        let keys: Vec<String> = (0..self.partitions)
-            .map(|p| format!("{}rate:{p}", self.scratch.prefix))
-            .collect();
+        let keys: Vec<String> = match mode {
+            Mode::PerPartition => (0..self.partitions)
+                .map(|p| format!("{}rate:{p}", self.scratch.prefix))
+                .collect(),
+            Mode::Shared => ["rate:limited", "rate:other"]
+                .iter()
+                .map(|k| format!("{}{k}", self.scratch.prefix))
+                .collect(),
+        };
         let mut conn = self.scratch.rconn.clone();
-        // (time, entries of partition 0's stream, entries of the others)
+        // (time, entries of the limited stream, entries of the others)
         let mut samples: Vec<(Duration, u64, u64)> = Vec::new();
         let polled = async {
             let mut progress = (Instant::now(), 0);
@@ -263,15 +331,16 @@ impl Bench<'_> {
                 let first = lens.first().copied().unwrap_or(0);
                 let total: u64 = lens.iter().sum();
                 samples.push((started.elapsed(), first, total - first));
-                if total >= args.events {
+                let others_done = limited_events.is_some_and(|n| total - first >= total_events - n);
+                if total >= total_events || (limit.is_some() && others_done) {
                     return Ok::<_, anyhow::Error>(());
                 }
                 if total > progress.1 {
                     progress = (Instant::now(), total);
                 } else if progress.0.elapsed() >= STALL {
                     bail!(
-                        "the drain stalled: {total} of {} events out, no progress for {} s",
-                        args.events,
+                        "the drain stalled: {total} of {total_events} events out, no progress \
+                         for {} s",
                         STALL.as_secs()
                     );
                 }
@@ -286,8 +355,8 @@ impl Bench<'_> {
         };
         // The burst went out at once (rate_limit.burst = 0: the rate).
         let burst = limit.map_or(0, u64::from);
-        // When the other streams started and were complete, and when partition 0's stream
-        // started and ended.
+        // When the other streams started and were complete, and when the limited stream
+        // started and ended (or the measurement did).
         let others_start = samples
             .iter()
             .find(|s| s.2 > 0)
@@ -315,6 +384,15 @@ impl Bench<'_> {
                     .max(1e-9),
         })
     }
+}
+
+/// Where the limited stream's rows are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// One stream per partition; partition 0's is limited.
+    PerPartition,
+    /// Two streams over every partition; the limited one's rows are the oldest.
+    Shared,
 }
 
 /// One drain of the isolation part.

@@ -1414,6 +1414,42 @@ pub(super) async fn preload(
     payload_bytes: usize,
 ) -> anyhow::Result<()> {
     store.truncate_outbox().await?;
+    let load = Load {
+        events,
+        aggregates,
+        payload_bytes,
+        aggregate_type: BENCH_AGGREGATE_TYPE,
+        event_type: BENCH_EVENT_TYPE,
+    };
+    preload_more(config, url, store, &load).await
+}
+
+/// Events `outpost produce` adds to the outbox: how many, over how many aggregates of which
+/// type, of which event type and payload size.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Load<'a> {
+    pub events: u64,
+    pub aggregates: u64,
+    pub payload_bytes: usize,
+    pub aggregate_type: &'a str,
+    pub event_type: &'a str,
+}
+
+/// Adds `load` to the outbox with `outpost produce`, as [`preload`] does (which empties it
+/// first).
+pub(super) async fn preload_more(
+    config: &Config,
+    url: &str,
+    store: &Store,
+    load: &Load<'_>,
+) -> anyhow::Result<()> {
+    let Load {
+        events,
+        aggregates,
+        payload_bytes,
+        aggregate_type,
+        event_type,
+    } = *load;
     // The producers are another process, as they are in production: this process's memory
     // is then the node's (and the benchmark's), not what the writers left behind.
     let started = Instant::now();
@@ -1425,8 +1461,8 @@ pub(super) async fn preload(
         .args(["--payload-bytes", &payload_bytes.to_string()])
         .args(["--tx-size", &PRELOAD_TX_SIZE.to_string()])
         .args(["--writers", &PRELOAD_WRITERS.to_string()])
-        .args(["--aggregate-type", BENCH_AGGREGATE_TYPE])
-        .args(["--event-type", BENCH_EVENT_TYPE])
+        .args(["--aggregate-type", aggregate_type])
+        .args(["--event-type", event_type])
         .args([
             "--set",
             &format!(

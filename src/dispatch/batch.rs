@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use metrics::{counter, histogram};
 
+use super::cursor::{Claimed, Cursors, Pass};
 use super::ratelimit::{RateLimits, Refused};
 use super::route::{Route, Router};
 use super::settle::{Origin, PartitionCalls, Settlement, failure, settle};
@@ -90,6 +91,8 @@ pub struct Shared {
     pub deadline: LeaseDeadline,
     /// Streams known to exist and their positions not yet recorded.
     pub streams: StreamBook,
+    /// Partitions whose claims move past rows waiting for a rate-limit permit.
+    pub cursors: Cursors,
 }
 
 /// The resources of one worker arbiter: its own database pool and Redis connection.
@@ -284,17 +287,32 @@ pub async fn run_group(
     let partitions: Vec<i32> = leases.iter().map(|l| l.partition).collect();
     let started = Instant::now();
     let store = &worker.store;
-    let rows = match claim {
-        Claim::PerPartition => store.claim_many(&partitions, per_rows, per_bytes).await,
-        Claim::Poll => {
+    // With rate limits, a partition may read past rows that wait for a permit (see
+    // `dispatch::cursor`); the busy poll covers only partitions without such rows.
+    let cursors = (claim == Claim::PerPartition && worker.shared.limits.any()).then(|| {
+        let now = Instant::now();
+        let cursors = &worker.shared.cursors;
+        leases
+            .iter()
+            .map(|l| (l.partition, cursors.start(l, now)))
+            .collect::<Vec<_>>()
+    });
+    let rows = match (&cursors, claim) {
+        (Some(from), _) => store.claim_after(from, per_rows, per_bytes).await,
+        (None, Claim::PerPartition) => store
+            .claim_many(&partitions, per_rows, per_bytes)
+            .await
+            .map(|rows| (rows, Vec::new())),
+        (None, Claim::Poll) => {
             let cap = settings.batch_rows;
             store
                 .claim_polled(&partitions, per_rows, per_bytes, cap)
                 .await
+                .map(|rows| (rows, Vec::new()))
         }
     };
-    let rows = match rows {
-        Ok(rows) => rows,
+    let (rows, full) = match rows {
+        Ok(found) => found,
         Err(e) => {
             let e = BatchError::from(e);
             return leases.iter().map(|_| Err(e.clone())).collect();
@@ -317,6 +335,22 @@ pub async fn run_group(
         .filter_map(|(i, lease)| by_partition.remove(&lease.partition).map(|rows| (i, rows)))
         .collect();
     let refusals = permits(worker, leases, &found).await;
+    let now = Instant::now();
+    let from_of = |i: usize| cursors.as_ref().and_then(|c| c.get(i)).map_or(0, |c| c.1);
+    let mut passes = vec![(Pass::None, 0); leases.len()];
+    if cursors.is_some() {
+        for lease in &empty {
+            if let Some(i) = leases.iter().position(|l| std::ptr::eq(l, *lease)) {
+                let nothing = Claimed {
+                    from: from_of(i),
+                    last_id: None,
+                    full: false,
+                    refused: None,
+                };
+                passes[i] = (worker.shared.cursors.record(lease, now, nothing), 0);
+            }
+        }
+    }
     let mut plans: Vec<Planned> = Vec::new();
     for ((i, rows), refused) in found.into_iter().zip(refusals) {
         let refused = match refused {
@@ -327,6 +361,18 @@ pub async fn run_group(
             }
         };
         let claimed = rows.len();
+        if cursors.is_some() {
+            let found = Claimed {
+                from: from_of(i),
+                last_id: rows.last().map(|r| r.id),
+                full: full.contains(&leases[i].partition),
+                refused: (!refused.streams.is_empty()).then_some(refused.retry_in),
+            };
+            passes[i] = (
+                worker.shared.cursors.record(&leases[i], now, found),
+                claimed,
+            );
+        }
         let plan = plan(
             &worker.shared,
             &worker.publisher,
@@ -356,10 +402,7 @@ pub async fn run_group(
         });
     }
     if plans.is_empty() {
-        return outcomes
-            .into_iter()
-            .map(|o| o.unwrap_or(Ok(BatchOutcome::Idle)))
-            .collect();
+        return finish(outcomes, &passes);
     }
     fail::fail_point!("after-claim", |_| std::process::abort());
     // A busy poll claims for every idle partition: what it found is published and marked by
@@ -381,7 +424,7 @@ pub async fn run_group(
     for (i, outcome) in delivered.into_iter().flatten() {
         outcomes[i] = Some(outcome);
     }
-    finish(outcomes)
+    finish(outcomes, &passes)
 }
 
 /// Publishes and marks what was claimed for some of `leases`; each partition's outcome with its
@@ -614,11 +657,44 @@ fn done(claimed: usize, per_rows: u32) -> BatchOutcome {
     }
 }
 
-fn finish(outcomes: Vec<Option<Outcome>>) -> Vec<Outcome> {
+/// Each lease's outcome (`Idle` when nothing was found), as its cursor says what it does next
+/// (`passes`: each lease's [`Pass`] and rows claimed).
+fn finish(outcomes: Vec<Option<Outcome>>, passes: &[(Pass, usize)]) -> Vec<Outcome> {
     outcomes
         .into_iter()
-        .map(|o| o.unwrap_or(Ok(BatchOutcome::Idle)))
+        .zip(passes)
+        .map(|(o, &(pass, rows))| with_pass(o.unwrap_or(Ok(BatchOutcome::Idle)), pass, rows))
         .collect()
+}
+
+/// `outcome` of a partition whose cursor is at `pass` after claiming `rows` rows: a pass still
+/// moving runs again at once; a pass that has reached the newest rows waits for the budget and
+/// is never idle (the busy poll would read the refused rows again).
+fn with_pass(outcome: Outcome, pass: Pass, rows: usize) -> Outcome {
+    let Ok(outcome) = outcome else {
+        return outcome;
+    };
+    Ok(match (pass, outcome) {
+        (Pass::None, o) => o,
+        (Pass::Moving, BatchOutcome::Done { deferred, .. }) => BatchOutcome::Done {
+            claimed: rows,
+            full: true,
+            deferred,
+        },
+        (Pass::Moving, BatchOutcome::Idle | BatchOutcome::Limited { .. }) => BatchOutcome::Done {
+            claimed: rows,
+            full: true,
+            deferred: None,
+        },
+        (Pass::Waiting(wait), BatchOutcome::Done { claimed, full, .. }) => BatchOutcome::Done {
+            claimed,
+            full,
+            deferred: Some(wait),
+        },
+        (Pass::Waiting(wait), BatchOutcome::Idle | BatchOutcome::Limited { .. }) => {
+            BatchOutcome::Limited { retry_in: wait }
+        }
+    })
 }
 
 impl Worker {

@@ -4,6 +4,7 @@
 
 pub mod backoff;
 pub mod batch;
+pub mod cursor;
 pub mod housekeeping;
 pub mod node;
 pub mod partition;

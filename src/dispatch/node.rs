@@ -10,6 +10,7 @@ use actix::prelude::*;
 use tokio::sync::oneshot;
 
 use super::batch::{LeaseDeadline, RelaySettings, Shared, Worker};
+use super::cursor::Cursors;
 use super::housekeeping;
 use super::ratelimit::RateLimits;
 use super::redis_loss;
@@ -237,6 +238,7 @@ async fn boot(config: Config) -> Result<Booted, NodeError> {
         },
         deadline: LeaseDeadline::new(),
         streams: StreamBook::default(),
+        cursors: Cursors::default(),
     });
     // Streams written before are known from the start, so a Redis that lost them is noticed at
     // the first append; then the same check the supervisor runs when the run id changes.

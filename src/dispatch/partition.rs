@@ -10,7 +10,7 @@
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use futures::FutureExt;
@@ -70,6 +70,8 @@ pub struct PartitionActor {
     /// instead of joining a group.
     backlog: bool,
     backing_off: bool,
+    /// A batch is scheduled for when a rate-limit budget has room.
+    retry: Option<(Instant, SpawnHandle)>,
     again: bool,
     stopping: bool,
     retired: bool,
@@ -110,6 +112,7 @@ impl PartitionActor {
             last_wake: 0,
             backlog: false,
             backing_off: false,
+            retry: None,
             again: false,
             stopping: false,
             retired: false,
@@ -161,19 +164,18 @@ impl PartitionActor {
                 ctx.stop();
             }
             Ok(Ok(BatchOutcome::Limited { retry_in })) => {
-                // Not a failure: the cluster's budget has no room for this batch yet. The rows
-                // stay pending; wake-ups meanwhile do not bring the retry forward.
+                // Not a failure: the cluster's budget has no room for the rows found yet. They
+                // stay pending; a wake-up meanwhile reads only rows behind them (the partition's
+                // cursor, see `dispatch::cursor`), so it may run a batch for other streams.
                 self.failures = 0;
                 self.panics = 0;
-                self.backlog = true;
+                self.backlog = false;
                 if self.stopping {
                     self.finish();
+                } else if self.again {
+                    self.next_batch(ctx);
                 } else {
-                    self.backing_off = true;
-                    ctx.run_later(retry_in, |act, ctx| {
-                        act.backing_off = false;
-                        act.next_batch(ctx);
-                    });
+                    self.retry_after(retry_in, ctx);
                 }
             }
             Ok(Ok(outcome)) => {
@@ -193,13 +195,7 @@ impl PartitionActor {
                 {
                     // Rows of a rate-limited stream stayed pending: try again when the budget
                     // has room; a wake-up meanwhile runs a batch for the other streams' rows.
-                    ctx.run_later(wait, |act, ctx| {
-                        if act.running {
-                            act.again = true;
-                        } else if !act.backing_off {
-                            act.next_batch(ctx);
-                        }
-                    });
+                    self.retry_after(wait, ctx);
                 } else {
                     self.report
                         .do_send(PartitionReport::Idle(p, self.lease.epoch, self.last_wake));
@@ -236,6 +232,27 @@ impl PartitionActor {
                 }
             }
         }
+    }
+
+    /// Runs a batch after `wait` (rows wait for a rate-limit permit), unless one is already
+    /// scheduled as soon; one timer at a time, however many batches asked meanwhile.
+    fn retry_after(&mut self, wait: Duration, ctx: &mut Context<Self>) {
+        let at = Instant::now() + wait;
+        if let Some((due, handle)) = self.retry {
+            if due <= at {
+                return;
+            }
+            ctx.cancel_future(handle);
+        }
+        let handle = ctx.run_later(wait, |act, ctx| {
+            act.retry = None;
+            if act.running {
+                act.again = true;
+            } else if !act.backing_off {
+                act.next_batch(ctx);
+            }
+        });
+        self.retry = Some((at, handle));
     }
 
     fn finish(&mut self) {
@@ -286,6 +303,7 @@ impl Supervised for PartitionActor {
     fn restarting(&mut self, _ctx: &mut Context<Self>) {
         self.running = false;
         self.backing_off = false;
+        self.retry = None;
         self.again = false;
     }
 }

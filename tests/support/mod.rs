@@ -727,6 +727,7 @@ pub async fn worker(
         },
         deadline: LeaseDeadline::new(),
         streams: outpost::dispatch::streams::StreamBook::default(),
+        cursors: Default::default(),
     };
     shared
         .deadline
