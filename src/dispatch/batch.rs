@@ -402,7 +402,7 @@ pub async fn run_group(
         });
     }
     if plans.is_empty() {
-        return finish(outcomes, &passes);
+        return finish(outcomes, &passes, leases, &worker.shared.cursors);
     }
     fail::fail_point!("after-claim", |_| std::process::abort());
     // A busy poll claims for every idle partition: what it found is published and marked by
@@ -424,7 +424,7 @@ pub async fn run_group(
     for (i, outcome) in delivered.into_iter().flatten() {
         outcomes[i] = Some(outcome);
     }
-    finish(outcomes, &passes)
+    finish(outcomes, &passes, leases, &worker.shared.cursors)
 }
 
 /// Publishes and marks what was claimed for some of `leases`; each partition's outcome with its
@@ -658,12 +658,24 @@ fn done(claimed: usize, per_rows: u32) -> BatchOutcome {
 }
 
 /// Each lease's outcome (`Idle` when nothing was found), as its cursor says what it does next
-/// (`passes`: each lease's [`Pass`] and rows claimed).
-fn finish(outcomes: Vec<Option<Outcome>>, passes: &[(Pass, usize)]) -> Vec<Outcome> {
+/// (`passes`: each lease's [`Pass`] and rows claimed). A failed batch drops its cursor.
+fn finish(
+    outcomes: Vec<Option<Outcome>>,
+    passes: &[(Pass, usize)],
+    leases: &[LeaseRef],
+    cursors: &Cursors,
+) -> Vec<Outcome> {
     outcomes
         .into_iter()
         .zip(passes)
-        .map(|(o, &(pass, rows))| with_pass(o.unwrap_or(Ok(BatchOutcome::Idle)), pass, rows))
+        .zip(leases)
+        .map(|((o, &(pass, rows)), lease)| {
+            let outcome = o.unwrap_or(Ok(BatchOutcome::Idle));
+            if outcome.is_err() && pass != Pass::None {
+                cursors.forget(lease);
+            }
+            with_pass(outcome, pass, rows)
+        })
         .collect()
 }
 

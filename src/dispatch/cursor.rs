@@ -8,15 +8,17 @@
 //! ([`crate::store::Store::claim_after`]), skipping every row whose aggregate still has a
 //! pending row at or before the cursor, so that no aggregate's events overtake one another.
 //!
-//! A **pass** starts at the partition's oldest row and moves the cursor on, claim after claim,
-//! as long as claims come back full; a claim that is not full has reached the newest rows. Until
+//! A **pass** starts at the partition's oldest row and moves the cursor on to the last row of
+//! each claim, claim after claim, as long as claims come back full; a claim that is not full has
+//! reached the newest rows. Until
 //! the budget has room again (the `retry_in` the limiter answered), claims go on reading past the
 //! cursor: rows that arrive meanwhile are published at once. Then one claim reads the oldest rows
 //! again, which takes the permits the budget has for the limited stream, and the pass goes on
 //! from where the cursor was. When the budget has room for all of them, the cursor is dropped.
 //!
 //! Rows at or before the cursor that become ready later — an aggregate whose waiting row has
-//! since been published, a transaction that committed late with a smaller id — are read by the
+//! since been published, a transaction that committed late with a smaller id, a row whose
+//! publishing failed for a moment — are read by the
 //! next **full pass**, which starts again from the oldest row and leaves the cursor behind. Full
 //! passes come at least [`RESCAN`] apart, and further apart when one takes long (the waiting
 //! backlog is read again each time), so they cost at most a fifth of the partition's time. Due
@@ -117,7 +119,10 @@ impl Cursors {
             // The budget had room for what the oldest rows needed: claims read from them again.
             (_, None) if claimed.from == 0 => None,
             (None, None) => None,
+            // Past rows that were all published: the cursor moves on too, so the next claim
+            // does not read again through the rows this one skipped.
             (Some(c), None) => Some(Cursor {
+                after_id: c.after_id.max(claimed.last_id.unwrap_or(0)),
                 traversed: c.traversed || !claimed.full,
                 ..c
             }),
@@ -154,6 +159,18 @@ impl Cursors {
             Pass::Waiting(c.retry_at.saturating_duration_since(now))
         } else {
             Pass::Moving
+        }
+    }
+
+    /// Drops `lease`'s cursor: its batch failed, and rows it had moved past may still be
+    /// pending for reasons of their own; the next claim starts a full pass.
+    pub fn forget(&self, lease: &LeaseRef) {
+        let mut map = self.lock();
+        if map
+            .get(&lease.partition)
+            .is_some_and(|c| c.epoch == lease.epoch)
+        {
+            map.remove(&lease.partition);
         }
     }
 
@@ -211,12 +228,12 @@ mod tests {
             Pass::Moving
         );
         assert_eq!(c.start(&l, t0), 100);
-        // A full claim past the cursor with nothing refused: the pass goes on, cursor unmoved.
+        // A full claim past the cursor with nothing refused: the pass goes on past it.
         assert_eq!(
             c.record(&l, t0, claimed(100, 150, true, None)),
             Pass::Moving
         );
-        assert_eq!(c.start(&l, t0), 100);
+        assert_eq!(c.start(&l, t0), 150);
         // Refused again: the cursor moves; the limiter's latest answer says when to come back.
         let t1 = t0 + 10 * MS;
         assert_eq!(
@@ -332,5 +349,10 @@ mod tests {
             "a new epoch reads from the oldest row"
         );
         assert_eq!(c.start(&lease(1), t0), 0, "and the old cursor is gone");
+        c.record(&lease(2), t0, claimed(0, 100, true, Some(100)));
+        c.forget(&lease(1));
+        assert_eq!(c.start(&lease(2), t0), 100, "another lease's cursor stays");
+        c.forget(&lease(2));
+        assert_eq!(c.start(&lease(2), t0), 0);
     }
 }
