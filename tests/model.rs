@@ -17,6 +17,9 @@
 //! - a failing or quarantined event holds its aggregate at or before its sequence, and no later
 //!   event of a held aggregate is pending (G5).
 //!
+//! Odd seeds also limit one stream (40/s, burst 2) and claim six rows at a time, so that
+//! partitions claim past rows that wait for a permit (`dispatch::cursor`).
+//!
 //! At the end every fault is lifted, everything is replayed and delivered, and each aggregate's
 //! first appearances must be exactly 1, 2, 3, …
 //!
@@ -39,7 +42,7 @@ use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use sea_orm::{ConnectionTrait, DbBackend, Statement, TransactionTrait};
 use serde_json::json;
-use support::{TestDb, TestRedis, aggregate_in, worker};
+use support::{TestDb, TestRedis, aggregate_in, worker_for};
 
 const PARTITIONS: [i32; 3] = [5, 17, 42];
 const STREAMS: [&str; 4] = ["s0", "s1", "s2", "bad"];
@@ -136,7 +139,18 @@ impl World {
         let db = TestDb::with_pool(8).await;
         let redis = TestRedis::new();
         let conn = redis.conn().await;
-        let worker = worker(&db, &redis, 3).await;
+        // Odd seeds limit stream s1 and claim a few rows at a time, so partitions move past
+        // rows waiting for a permit (the claim cursor) while everything else goes on.
+        let limits: &[(&str, &str)] = if seed % 2 == 1 {
+            &[
+                ("rate_limit.streams.s1", "40"),
+                ("rate_limit.burst", "2"),
+                ("relay.batch_rows", "6"),
+            ]
+        } else {
+            &[]
+        };
+        let worker = worker_for(&db, &redis, 3, limits).await;
         let mut aggregates = Vec::new();
         for &p in &PARTITIONS {
             for (k, stream) in STREAMS.iter().enumerate() {

@@ -698,8 +698,19 @@ pub async fn worker(
     redis: &TestRedis,
     max_attempts: u32,
 ) -> outpost::dispatch::batch::Worker {
+    worker_for(db, redis, max_attempts, &[]).await
+}
+
+/// [`worker`] with extra `key=value` overrides of the relay configuration (routing, rate
+/// limits, `relay.batch_rows`).
+pub async fn worker_for(
+    db: &TestDb,
+    redis: &TestRedis,
+    max_attempts: u32,
+    extra: &[(&str, &str)],
+) -> outpost::dispatch::batch::Worker {
     use outpost::dispatch::batch::{LeaseDeadline, RelaySettings, Shared, Worker};
-    let config = relay_config(db, redis, "n1");
+    let config = relay_config_for(db, redis, "n1", extra);
     let publisher = outpost::publish::Publisher::connect(&outpost::publish::RedisSettings {
         url: redis_url(),
         key_prefix: redis.prefix.clone(),
@@ -717,7 +728,7 @@ pub async fn worker(
             |name| publisher.stream_key(name),
         ),
         settings: RelaySettings {
-            batch_rows: 100,
+            batch_rows: config.relay.batch_rows,
             batch_bytes: 1 << 20,
             max_attempts,
             backoff_base: Duration::from_millis(5),
