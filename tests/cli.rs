@@ -196,3 +196,22 @@ async fn first_run_errors_name_the_cause_and_the_fix() {
         "{err}"
     );
 }
+
+/// `outpost demo` runs the `outpost-records` binary beside it; without one it says how to build
+/// it.
+#[test]
+fn demo_without_the_records_binary_says_how_to_build_it() {
+    let dir = std::env::temp_dir().join(format!("outpost-cli-demo-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let alone = dir.join("outpost");
+    std::fs::copy(env!("CARGO_BIN_EXE_outpost"), &alone).unwrap();
+    let out = Command::new(&alone)
+        .args(["demo", "--duration", "5"])
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    std::fs::remove_dir_all(&dir).ok();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("cargo build --release --workspace"), "{stderr}");
+}
