@@ -213,5 +213,8 @@ fn demo_without_the_records_binary_says_how_to_build_it() {
     std::fs::remove_dir_all(&dir).ok();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
-    assert!(stderr.contains("cargo build --release --workspace"), "{stderr}");
+    assert!(
+        stderr.contains("cargo build --release --workspace"),
+        "{stderr}"
+    );
 }

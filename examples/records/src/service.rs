@@ -170,17 +170,37 @@ pub struct RecordChange {
     pub notes: Option<String>,
 }
 
+/// Whether mutations write their event facts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Events {
+    /// The application as designed: an event for every change of declared content.
+    Emit,
+    /// The same transactions without the event fact (history rows name no event): the
+    /// baseline `outpost-records bench` measures the fact's cost against.
+    Omit,
+}
+
 /// The application's write side.
 #[derive(Debug, Clone)]
 pub struct Records {
     db: DatabaseConnection,
     producer: Producer,
+    events: Events,
 }
 
 impl Records {
     /// Mutations on `db` (migrated, tables created), writing events with `producer`.
     pub fn new(db: DatabaseConnection, producer: Producer) -> Self {
-        Self { db, producer }
+        Self::with_events(db, producer, Events::Emit)
+    }
+
+    /// Mutations that write their events or not.
+    pub fn with_events(db: DatabaseConnection, producer: Producer, events: Events) -> Self {
+        Self {
+            db,
+            producer,
+            events,
+        }
     }
 
     /// Creates a record.
@@ -371,7 +391,7 @@ impl Records {
         .await?;
         // The fault point is consulted only for mutations that must emit an event.
         let declared = action.declaration().diff(before, after)?.is_some();
-        let event_id = if declared && skip_event() {
+        let event_id = if self.events == Events::Omit || (declared && skip_event()) {
             None
         } else {
             self.producer

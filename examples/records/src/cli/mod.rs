@@ -2,6 +2,7 @@
 //! schema (`setup`), the verdict (`verify`) and all of it at once (`demo`, which `outpost demo`
 //! runs). The binary's edge: errors become `anyhow` here.
 
+mod bench;
 mod demo;
 mod redis_server;
 
@@ -53,6 +54,9 @@ pub enum Command {
     Consume(ConsumeArgs),
     /// Check the delivered events and the read model against the source rows.
     Verify,
+    /// Transactions per second with and without the event fact (results in
+    /// docs/benchmarks.md).
+    Bench(bench::BenchArgs),
 }
 
 /// Options of the writers.
@@ -123,6 +127,7 @@ pub fn main() -> ExitCode {
             Command::Write(args) => write(&config, args).await.map(|()| true),
             Command::Consume(args) => consume(&config, args).await.map(|()| true),
             Command::Verify => verify_cmd(&config).await,
+            Command::Bench(args) => bench::run(&config, args).await.map(|()| true),
         }
     });
     match result {
