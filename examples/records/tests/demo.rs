@@ -13,10 +13,15 @@ const PASS: &str = "verdict: PASS (0 lost, 0 duplicates, 0 out of order, 0 event
 
 /// Runs a demo of `seconds` on a database and key prefix of its own, with `env` added.
 fn demo(seconds: u64, env: &[(&str, &str)]) -> (Output, String) {
+    demo_with_redis(seconds, env, &support::redis_url())
+}
+
+/// [`demo`] with `redis.url` set to `redis`.
+fn demo_with_redis(seconds: u64, env: &[(&str, &str)], redis: &str) -> (Output, String) {
     let id = support::unique();
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_outpost-records"));
     cmd.args(["--set", &format!("database.url={}", support::server_url())])
-        .args(["--set", &format!("redis.url={}", support::redis_url())])
+        .args(["--set", &format!("redis.url={redis}")])
         .args(["demo", "--duration", &seconds.to_string(), "--writers", "3"])
         .args(["--nodes", "2", "--drop", "--drain-timeout", "60"])
         .args(["--database", &format!("records_demo_{id}")])
@@ -67,6 +72,34 @@ fn the_verdict_fails_when_a_mutation_skips_its_event() {
         "the verdict does not name the skipped event"
     );
     assert!(!out.status.success());
+}
+
+/// With no Redis where `redis.url` points and `redis-server` on the `PATH`, the demo runs on a
+/// private server of its own and stops it at the end.
+#[test]
+fn without_redis_the_demo_starts_a_private_one() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let (out, stdout) = demo_with_redis(4, &[], &format!("redis://127.0.0.1:{port}"));
+    assert!(
+        stdout.contains("a private redis-server on 127.0.0.1:"),
+        "no private Redis"
+    );
+    assert!(stdout.contains(PASS), "no passing verdict in the output");
+    assert!(out.status.success());
+    let private: u16 = stdout
+        .split("a private redis-server on 127.0.0.1:")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|p| p.parse().ok())
+        .expect("the private server's port");
+    assert!(
+        std::net::TcpStream::connect(("127.0.0.1", private)).is_err(),
+        "the private redis-server still runs"
+    );
 }
 
 fn count_after(stdout: &str, label: &str) -> u64 {
