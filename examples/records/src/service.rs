@@ -111,6 +111,14 @@ pub enum RecordsError {
     /// The record does not exist (any more).
     #[error("record {0} does not exist")]
     RecordNotFound(Uuid),
+    /// One end of a new link does not exist (any more).
+    #[error("record {from} or record {to} does not exist: a link needs both")]
+    LinkEndMissing {
+        /// The record the link leaves.
+        from: Uuid,
+        /// The record it points to.
+        to: Uuid,
+    },
     /// The link does not exist (any more).
     #[error("link {0} does not exist")]
     LinkNotFound(Uuid),
@@ -325,10 +333,7 @@ impl Records {
         }
         .insert(&txn)
         .await
-        .map_err(|e| {
-            let missing = if record_missing_is_to(&e) { to } else { from };
-            fk_to(e, RecordsError::RecordNotFound(missing))
-        })?;
+        .map_err(|e| fk_to(e, RecordsError::LinkEndMissing { from, to }))?;
         let m = self
             .bookkeeping(
                 &txn,
@@ -440,12 +445,6 @@ fn fk_to(err: DbErr, instead: RecordsError) -> RecordsError {
         Some(SqlErr::ForeignKeyConstraintViolation(_)) => instead,
         _ => RecordsError::Db(err),
     }
-}
-
-/// Whether a link insert's foreign key violation is about `to_id` (the constraint's name says
-/// which column; only used to name the missing record in the error).
-fn record_missing_is_to(err: &DbErr) -> bool {
-    matches!(err.sql_err(), Some(SqlErr::ForeignKeyConstraintViolation(m)) if m.contains("to_id"))
 }
 
 /// The `records-skip-event` fault point: the mutation writes its other rows but no event, as a

@@ -159,6 +159,11 @@ async fn each_mutation_writes_its_rows_and_an_event_only_for_declared_content() 
     let refused = app.delete("carol", b.target_id).await;
     assert!(matches!(refused, Err(RecordsError::HasLinks(id)) if id == b.target_id));
     assert_eq!(rows(db).await, r5, "a refused delete writes nothing");
+    // A link to a record that does not exist is refused; nothing is written.
+    let nowhere = uuid::Uuid::now_v7();
+    let refused = app.link("carol", a.target_id, nowhere, "supplier").await;
+    assert!(matches!(refused, Err(RecordsError::LinkEndMissing { to, .. }) if to == nowhere));
+    assert_eq!(rows(db).await, r5, "a refused link writes nothing");
 
     app.unlink("carol", l.target_id).await.unwrap();
     let r6 = rows(db).await;
