@@ -23,7 +23,10 @@ use clap::Args;
 use outpost::config::{Config, LoadOptions};
 use outpost::dispatch::node;
 use outpost::store::{Store, admin};
-use sea_orm::{ColumnTrait, DatabaseConnection, EntityTrait, PaginatorTrait, QueryFilter};
+use sea_orm::{
+    AccessMode, ColumnTrait, DatabaseConnection, EntityTrait, IsolationLevel, PaginatorTrait,
+    QueryFilter, TransactionTrait,
+};
 
 use super::redis_server::{self, DemoRedis};
 use crate::load::{self, LoadSettings, LoadStats, Mix};
@@ -344,17 +347,27 @@ impl<'a> Progress<'a> {
         }
     }
 
+    /// The three counts from one snapshot, so an event moving from the outbox to the published
+    /// history between two counts is counted once.
     async fn counts(&self) -> Result<Counts, sea_orm::DbErr> {
         use entity::{outpost_event as outbox, outpost_published as published};
+        let txn = self
+            .db
+            .begin_with_config(
+                Some(IsolationLevel::RepeatableRead),
+                Some(AccessMode::ReadOnly),
+            )
+            .await?;
         let backlog = outbox::Entity::find()
             .filter(outbox::Column::AggregateType.eq(AGGREGATE))
-            .count(self.db)
+            .count(&txn)
             .await?;
         let published = published::Entity::find()
             .filter(published::Column::AggregateType.eq(AGGREGATE))
-            .count(self.db)
+            .count(&txn)
             .await?;
-        let applied = applied::Entity::find().count(self.db).await?;
+        let applied = applied::Entity::find().count(&txn).await?;
+        txn.commit().await?;
         Ok(Counts {
             committed: backlog + published,
             published,
