@@ -13,7 +13,7 @@
 //! - [`load`]: the load generator.
 //! - [`verify`]: the verdict — delivered once and in order, no event for undeclared changes,
 //!   read model equal to the source.
-//! - [`cli`]: `outpost-records demo|setup|write|consume|verify` (the binary's edge, the only
+//! - [`cli`]: `outpost-records demo|setup|write|consume|verify|bench` (the binary's edge, the only
 //!   place `anyhow` is used).
 
 pub mod cli;
