@@ -2,6 +2,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod support;
+
 use std::process::Command;
 
 fn outpost() -> Command {
@@ -105,4 +107,114 @@ fn a_command_needing_the_database_says_which_key_to_set() {
     assert!(!out.status.success());
     assert!(stderr.contains("database.url is not set"), "{stderr}");
     assert!(stderr.contains("OUTPOST_DATABASE__URL"), "{stderr}");
+}
+
+/// `outpost run` against `database_url` and `redis_url`: its exit status and stderr.
+fn run_node(database_url: &str, redis_url: &str) -> (bool, String) {
+    let out = outpost()
+        .args(["--set", &format!("database.url={database_url}")])
+        .args(["--set", &format!("redis.url={redis_url}")])
+        .args(["--set", "database.connect_timeout_ms=1000"])
+        .args(["--set", "redis.connect_timeout_ms=1000"])
+        .args(["--set", "admin.listen=127.0.0.1:0"])
+        .arg("run")
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The errors a newcomer meets on the way to a running node each name the cause and the fix.
+#[tokio::test]
+async fn first_run_errors_name_the_cause_and_the_fix() {
+    let server = support::server_url();
+    let redis = support::redis_url();
+    let url = |db: &str| outpost::store::admin::database_url(&server, db).unwrap();
+
+    // No PostgreSQL where database.url points.
+    let closed = format!(
+        "postgres://postgres@127.0.0.1:{}/outpost",
+        support::free_port()
+    );
+    let (ok, err) = run_node(&closed, &redis);
+    assert!(!ok);
+    assert!(
+        err.contains("check database.url and that PostgreSQL is running"),
+        "{err}"
+    );
+
+    // A user PostgreSQL does not know (a wrong password is refused the same way, 28P01).
+    let mut stranger = url::Url::parse(&url("postgres")).unwrap();
+    stranger.set_username("no_such_user_x").unwrap();
+    stranger.set_password(Some("wrong")).unwrap();
+    let (ok, err) = run_node(stranger.as_str(), &redis);
+    assert!(!ok);
+    assert!(err.contains("PostgreSQL refused the login"), "{err}");
+    assert!(
+        err.contains("fix the user and password in database.url"),
+        "{err}"
+    );
+    assert!(!err.contains("wrong"), "the password is not shown: {err}");
+
+    // The database does not exist.
+    let missing = format!("outpost_missing_{}", std::process::id());
+    let (ok, err) = run_node(&url(&missing), &redis);
+    assert!(!ok);
+    assert!(
+        err.contains(&format!("database \"{missing}\" does not exist")),
+        "{err}"
+    );
+    assert!(err.contains("run `outpost migrate up`"), "{err}");
+
+    // The database exists, the migrations have not run.
+    let empty = format!("outpost_empty_{}", std::process::id());
+    outpost::store::admin::drop_database(&server, &empty)
+        .await
+        .unwrap();
+    outpost::store::admin::create_database(&server, &empty, None)
+        .await
+        .unwrap();
+    let (ok, err) = run_node(&url(&empty), &redis);
+    outpost::store::admin::drop_database(&server, &empty)
+        .await
+        .unwrap();
+    assert!(!ok);
+    assert!(
+        err.contains("is behind this version's migrations: run `outpost migrate up`"),
+        "{err}"
+    );
+
+    // No Redis where redis.url points.
+    let db = support::TestDb::new().await;
+    let no_redis = format!("redis://127.0.0.1:{}", support::free_port());
+    let (ok, err) = run_node(&db.url, &no_redis);
+    assert!(!ok);
+    assert!(
+        err.contains("cannot reach Redis (check redis.url and that Redis is running)"),
+        "{err}"
+    );
+}
+
+/// `outpost demo` runs the `outpost-records` binary beside it; without one it says how to build
+/// it.
+#[test]
+fn demo_without_the_records_binary_says_how_to_build_it() {
+    let dir = std::env::temp_dir().join(format!("outpost-cli-demo-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let alone = dir.join("outpost");
+    std::fs::copy(env!("CARGO_BIN_EXE_outpost"), &alone).unwrap();
+    let out = Command::new(&alone)
+        .args(["demo", "--duration", "5"])
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    std::fs::remove_dir_all(&dir).ok();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("cargo build --release --workspace"),
+        "{stderr}"
+    );
 }

@@ -8,6 +8,7 @@ mod bench_rate;
 mod bench_relay;
 mod bench_retention;
 mod config_cmd;
+mod demo;
 mod migrate;
 mod pause;
 mod produce;
@@ -70,6 +71,10 @@ pub enum Command {
     Produce(produce::ProduceArgs),
     /// Print a stream's entries as they arrive, decoded.
     Tail(tail::TailArgs),
+    /// The records scenario end to end on a fresh database, verified at the end (runs the
+    /// `outpost-records` binary built beside this one).
+    #[command(disable_help_flag = true)]
+    Demo(demo::DemoArgs),
     /// Benchmarks (results belong in docs/benchmarks.md).
     Bench {
         #[command(subcommand)]
@@ -83,6 +88,9 @@ pub fn main() -> ExitCode {
     // (docs/testing.md); without it this is a no-op.
     let _faults = fail::FailScenario::setup();
     let cli = Cli::parse();
+    if let Command::Demo(args) = &cli.command {
+        return demo::run(&cli, args);
+    }
     let loaded = load_config(&cli);
     init_tracing(loaded.as_ref().ok().map(|c| &c.log));
     if let Command::Config { action } = &cli.command {
@@ -115,7 +123,7 @@ pub fn main() -> ExitCode {
             Command::Produce(args) => produce::run(&config, args).await,
             Command::Tail(args) => tail::run(&config, args).await,
             Command::Bench { which } => bench::run(&config, which).await,
-            Command::Config { .. } => Ok(()),
+            Command::Config { .. } | Command::Demo(_) => Ok(()),
         }
     });
     match result {

@@ -22,8 +22,24 @@ pub enum StoreError {
         /// The database's own description.
         detail: String,
     },
-    /// Outpost's tables are missing.
-    #[error("Outpost's schema is not installed in this database: run `outpost migrate up`")]
+    /// PostgreSQL refused the login (SQLSTATE 28P01 wrong password, 28000 unknown role or no
+    /// `pg_hba.conf` entry). Retrying does not help.
+    #[error(
+        "PostgreSQL refused the login ({0}): fix the user and password in database.url \
+         (postgres://USER:PASSWORD@HOST:PORT/DATABASE)"
+    )]
+    LoginRefused(String),
+    /// The database named by `database.url` does not exist (SQLSTATE 3D000).
+    #[error(
+        "{0}: run `outpost migrate up` (or start with `outpost run --migrate`), which creates it, \
+         or fix the database name in database.url"
+    )]
+    DatabaseMissing(String),
+    /// Outpost's tables are missing, or older than this version's migrations.
+    #[error(
+        "Outpost's schema is not installed in this database, or is behind this version's \
+         migrations: run `outpost migrate up` (or start with `outpost run --migrate`)"
+    )]
     NotMigrated,
     /// A value in the database breaks an invariant Outpost relies on.
     #[error("unexpected data in Outpost's tables: {0}")]
@@ -97,9 +113,41 @@ pub fn classify(err: &DbErr) -> DbErrorKind {
     }
 }
 
+/// Why opening a session failed, when the server said so.
+enum LoginProblem {
+    Refused(String),
+    NoDatabase(String),
+}
+
+/// Reads a refused login (28P01, 28000) or a missing database (3D000) out of a connection
+/// error, by SQLSTATE.
+fn login_problem(err: &DbErr) -> Option<LoginProblem> {
+    use sea_orm::{RuntimeErr, sqlx};
+    let (DbErr::Conn(RuntimeErr::SqlxError(e))
+    | DbErr::Exec(RuntimeErr::SqlxError(e))
+    | DbErr::Query(RuntimeErr::SqlxError(e))) = err
+    else {
+        return None;
+    };
+    let sqlx::Error::Database(db) = &**e else {
+        return None;
+    };
+    let message = db.message().to_owned();
+    match db.code().as_deref() {
+        Some("28P01" | "28000") => Some(LoginProblem::Refused(message)),
+        Some("3D000") => Some(LoginProblem::NoDatabase(message)),
+        _ => None,
+    }
+}
+
 impl StoreError {
     /// Maps a SeaORM error to the store's vocabulary.
     pub fn from_db(err: DbErr) -> Self {
+        match login_problem(&err) {
+            Some(LoginProblem::Refused(m)) => return StoreError::LoginRefused(m),
+            Some(LoginProblem::NoDatabase(m)) => return StoreError::DatabaseMissing(m),
+            None => {}
+        }
         match classify(&err) {
             DbErrorKind::Connection => StoreError::Unavailable(err.to_string()),
             DbErrorKind::UndefinedTable => StoreError::NotMigrated,
