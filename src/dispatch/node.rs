@@ -31,8 +31,8 @@ pub enum NodeError {
     /// The database could not be reached or is not migrated.
     #[error(transparent)]
     Store(#[from] StoreError),
-    /// Redis could not be reached.
-    #[error("redis: {0}")]
+    /// Redis could not be reached (the error says so, and which key to check).
+    #[error(transparent)]
     Redis(#[from] PublishError),
     /// Redis is configured in a way that can lose acknowledged entries, and the configuration
     /// says to refuse it.
