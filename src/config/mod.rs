@@ -462,7 +462,7 @@ pub struct RetentionConfig {
     pub published_secs: u64,
     /// Seconds a `no_destination` row is kept after it was recorded (90 days by default).
     pub no_destination_secs: u64,
-    /// Seconds a `discarded` row is kept after it was recorded.
+    /// Seconds a `discarded` row is kept after it was discarded.
     pub discarded_secs: u64,
     /// Rows deleted per statement.
     pub batch_rows: u32,
