@@ -257,12 +257,22 @@ impl NodeConfig {
 pub struct AdminConfig {
     /// Address of the admin/metrics HTTP endpoint, `ip:port`.
     pub listen: String,
+    /// Sustained requests per second the JSON API allows each client address, and each token,
+    /// before answering 429 with `Retry-After`.
+    pub requests_per_sec: u32,
+    /// Requests a client address or a token may send at once above the sustained rate.
+    pub burst: u32,
+    /// Largest request body the JSON API reads; a larger one is answered 413.
+    pub max_body_bytes: u32,
 }
 
 impl Default for AdminConfig {
     fn default() -> Self {
         Self {
             listen: "127.0.0.1:9400".to_owned(),
+            requests_per_sec: 20,
+            burst: 40,
+            max_body_bytes: 65_536,
         }
     }
 }
@@ -569,10 +579,8 @@ impl Config {
         }
     }
 
-    /// The effective configuration as TOML, every key included, with the
-    /// passwords of `database.url` and `redis.url` replaced by `***`. An unset
-    /// URL is shown as a comment.
-    pub fn to_redacted_toml(&self) -> String {
+    /// A copy with every secret redacted (passwords replaced by `***`), safe to show.
+    pub fn redacted(&self) -> Config {
         let mut shown = self.clone();
         shown.database.url = self
             .database
@@ -580,6 +588,14 @@ impl Config {
             .as_ref()
             .map(|s| Secret::new(s.redacted()));
         shown.redis.url = self.redis.url.as_ref().map(|s| Secret::new(s.redacted()));
+        shown
+    }
+
+    /// The effective configuration as TOML, every key included, with the
+    /// passwords of `database.url` and `redis.url` replaced by `***`. An unset
+    /// URL is shown as a comment.
+    pub fn to_redacted_toml(&self) -> String {
+        let shown = self.redacted();
         let body = match toml::to_string(&shown) {
             Ok(body) => body,
             // Strings, integers, booleans, a list and a map of strings always

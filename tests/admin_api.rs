@@ -1,0 +1,409 @@
+//! The JSON API of a running node against real PostgreSQL and Redis: every route × role, the
+//! OpenAPI document against the routes registered, problems, limits and headers, and secrets
+//! that never leave the node.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::collections::{BTreeSet, HashMap};
+
+use outpost::admin::routes::ROUTES;
+use outpost::store::{Actor, Role};
+use support::{TestDb, TestRedis, relay_config_for, wait_until};
+
+/// An answer: status, headers (names lowercased) and body.
+#[derive(Debug)]
+struct Resp {
+    status: u16,
+    headers: HashMap<String, String>,
+    body: String,
+}
+
+/// One HTTP/1.0 request.
+async fn call(
+    addr: &str,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    body: Option<&str>,
+) -> Resp {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut req = format!("{method} {path} HTTP/1.0\r\nHost: {addr}\r\n");
+    if let Some(t) = token {
+        req.push_str(&format!("Authorization: Bearer {t}\r\n"));
+    }
+    if let Some(b) = body {
+        req.push_str(&format!(
+            "Content-Type: application/json\r\nContent-Length: {}\r\n",
+            b.len()
+        ));
+    }
+    req.push_str("\r\n");
+    req.push_str(body.unwrap_or(""));
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut buf = Vec::new();
+    let _ = s.read_to_end(&mut buf).await;
+    let text = String::from_utf8_lossy(&buf).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let mut lines = head.lines();
+    let status = lines
+        .next()
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
+        .collect();
+    Resp {
+        status,
+        headers,
+        body: body.to_owned(),
+    }
+}
+
+/// A node with the API on a free port and generous rate limits, and tokens of every role
+/// (one revoked).
+struct Setup {
+    db: TestDb,
+    _redis: TestRedis,
+    node: outpost::dispatch::node::NodeHandle,
+    addr: String,
+    tokens: HashMap<&'static str, String>,
+}
+
+async fn setup(extra: &[(&str, &str)]) -> Setup {
+    let db = TestDb::new().await;
+    let redis = TestRedis::new();
+    let mut overrides = vec![
+        ("admin.requests_per_sec", "100000"),
+        ("admin.burst", "100000"),
+    ];
+    overrides.extend_from_slice(extra);
+    let node = support::start_node(relay_config_for(&db, &redis, "api-node", &overrides)).await;
+    let addr = node.admin_addr().to_string();
+    let root = Actor::new("test-root", Role::Admin);
+    let mut tokens = HashMap::new();
+    for (name, role) in [
+        ("viewer", Role::Viewer),
+        ("operator", Role::Operator),
+        ("admin", Role::Admin),
+        ("revoked", Role::Admin),
+    ] {
+        let t = db.store.create_token(&root, name, role).await.unwrap();
+        tokens.insert(name, t.token);
+    }
+    db.store.revoke_token(&root, "revoked").await.unwrap();
+    wait_until(30, "the node to be ready", || {
+        let addr = addr.clone();
+        async move { call(&addr, "GET", "/readyz", None, None).await.status == 200 }
+    })
+    .await;
+    Setup {
+        db,
+        _redis: redis,
+        node,
+        addr,
+        tokens,
+    }
+}
+
+/// What a route is called with in the matrix, and what it answers to someone allowed.
+struct Case {
+    path: String,
+    body: Option<String>,
+    allowed: u16,
+}
+
+fn case(path: &str, body: Option<&str>, allowed: u16) -> Case {
+    Case {
+        path: path.to_owned(),
+        body: body.map(str::to_owned),
+        allowed,
+    }
+}
+
+/// The matrix's entry for every route. A route missing here fails the test.
+fn cases() -> HashMap<(&'static str, &'static str), Case> {
+    let nobody = uuid::Uuid::new_v4();
+    let act = format!(r#"{{"ids": ["{nobody}"], "reason": "matrix"}}"#);
+    HashMap::from([
+        (("GET", "/metrics"), case("/metrics", None, 200)),
+        (("GET", "/livez"), case("/livez", None, 200)),
+        (("GET", "/readyz"), case("/readyz", None, 200)),
+        (
+            ("GET", "/api/v1/openapi.json"),
+            case("/api/v1/openapi.json", None, 200),
+        ),
+        (("GET", "/api/v1/status"), case("/api/v1/status", None, 200)),
+        (
+            ("GET", "/api/v1/partitions"),
+            case("/api/v1/partitions", None, 200),
+        ),
+        (
+            ("POST", "/api/v1/partitions/pause"),
+            case(
+                "/api/v1/partitions/pause",
+                Some(r#"{"partitions": [5]}"#),
+                200,
+            ),
+        ),
+        (
+            ("POST", "/api/v1/partitions/resume"),
+            case(
+                "/api/v1/partitions/resume",
+                Some(r#"{"partitions": [5]}"#),
+                200,
+            ),
+        ),
+        (("GET", "/api/v1/nodes"), case("/api/v1/nodes", None, 200)),
+        (
+            ("GET", "/api/v1/events"),
+            case("/api/v1/events?state=quarantined&limit=10", None, 200),
+        ),
+        (
+            ("GET", "/api/v1/events/{event_id}"),
+            case(&format!("/api/v1/events/{nobody}"), None, 404),
+        ),
+        (
+            ("POST", "/api/v1/dead-letters/replay"),
+            case("/api/v1/dead-letters/replay", Some(&act), 409),
+        ),
+        (
+            ("POST", "/api/v1/dead-letters/discard"),
+            case("/api/v1/dead-letters/discard", Some(&act), 409),
+        ),
+        (
+            ("GET", "/api/v1/audit"),
+            case("/api/v1/audit?limit=5", None, 200),
+        ),
+        (("GET", "/api/v1/config"), case("/api/v1/config", None, 200)),
+        (("GET", "/api/v1/tokens"), case("/api/v1/tokens", None, 200)),
+        (
+            ("POST", "/api/v1/tokens"),
+            case(
+                "/api/v1/tokens",
+                Some(r#"{"name": "made-by-matrix", "role": "viewer"}"#),
+                201,
+            ),
+        ),
+        (
+            ("DELETE", "/api/v1/tokens/{name}"),
+            case("/api/v1/tokens/made-by-matrix", None, 200),
+        ),
+    ])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_route_answers_each_role_as_expected_and_refusals_change_nothing() {
+    let s = setup(&[]).await;
+    let cases = cases();
+    let identities: [(&str, Option<Role>); 5] = [
+        ("anonymous", None),
+        ("revoked", None),
+        ("viewer", Some(Role::Viewer)),
+        ("operator", Some(Role::Operator)),
+        ("admin", Some(Role::Admin)),
+    ];
+    let mut failures = Vec::new();
+    for route in ROUTES {
+        let Some(c) = cases.get(&(route.method, route.path)) else {
+            panic!(
+                "{} {} has no entry in the route x role matrix: add one",
+                route.method, route.path
+            );
+        };
+        for (who, role) in identities {
+            let token = s.tokens.get(who).map(String::as_str);
+            let expected = match (route.role, role) {
+                (None, _) => c.allowed,
+                (Some(_), None) => 401,
+                (Some(needed), Some(has)) if has >= needed => c.allowed,
+                (Some(_), Some(_)) => 403,
+            };
+            let r = call(&s.addr, route.method, &c.path, token, c.body.as_deref()).await;
+            if r.status != expected {
+                failures.push(format!(
+                    "{} {} as {who}: {} (expected {expected}) {}",
+                    route.method, c.path, r.status, r.body
+                ));
+            }
+            if r.status >= 400 && route.path.starts_with("/api/") {
+                assert_eq!(
+                    r.headers.get("content-type").map(String::as_str),
+                    Some("application/problem+json"),
+                    "{} {} as {who}",
+                    route.method,
+                    c.path
+                );
+            }
+            for h in [
+                "content-security-policy",
+                "x-content-type-options",
+                "cache-control",
+            ] {
+                assert!(r.headers.contains_key(h), "{h} on {} as {who}", c.path);
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+
+    // Refused requests changed nothing: the audit log holds exactly the allowed changes.
+    let log =
+        s.db.store
+            .audit_log(&outpost::store::AuditQuery {
+                limit: Some(1000),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    let mut actions: Vec<(String, String)> = log
+        .iter()
+        .map(|r| (r.action.clone(), r.actor.clone()))
+        .collect();
+    actions.sort();
+    let mut want: Vec<(String, String)> = [
+        ("partition.pause", "admin"),
+        ("partition.pause", "operator"),
+        ("partition.resume", "admin"),
+        ("partition.resume", "operator"),
+        ("token.create", "admin"),
+        ("token.create", "test-root"),
+        ("token.create", "test-root"),
+        ("token.create", "test-root"),
+        ("token.create", "test-root"),
+        ("token.revoke", "admin"),
+        ("token.revoke", "test-root"),
+    ]
+    .iter()
+    .map(|(a, b)| ((*a).to_owned(), (*b).to_owned()))
+    .collect();
+    want.sort();
+    assert_eq!(actions, want);
+    s.node.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openapi_document_lists_exactly_the_registered_api_routes() {
+    let s = setup(&[]).await;
+    let r = call(&s.addr, "GET", "/api/v1/openapi.json", None, None).await;
+    assert_eq!(r.status, 200);
+    let doc: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+    assert!(doc["openapi"].as_str().unwrap().starts_with("3."));
+    let documented: BTreeSet<(String, String)> = doc["paths"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .flat_map(|(path, ops)| {
+            ops.as_object()
+                .unwrap()
+                .keys()
+                .map(|m| (m.to_ascii_uppercase(), path.clone()))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    let registered: BTreeSet<(String, String)> = ROUTES
+        .iter()
+        .filter(|r| r.path.starts_with("/api/"))
+        .map(|r| (r.method.to_owned(), r.path.to_owned()))
+        .collect();
+    assert_eq!(documented, registered);
+    // And every registered API route answers (not 404) where the document says it is.
+    for (method, path) in &registered {
+        let concrete = path.replace("{event_id}", &uuid::Uuid::new_v4().to_string());
+        let concrete = concrete.replace("{name}", "x");
+        let r = call(
+            &s.addr,
+            method,
+            &concrete,
+            s.tokens.get("admin").map(String::as_str),
+            Some("{}"),
+        )
+        .await;
+        assert_ne!(r.body, "", "{method} {path}");
+        assert!(
+            !r.body.contains("no such route"),
+            "{method} {path}: {}",
+            r.body
+        );
+    }
+    s.node.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_are_limited_bursts_get_429_with_retry_after_and_errors_are_problems() {
+    let s = setup(&[("admin.max_body_bytes", "1024")]).await;
+    let admin = s.tokens.get("admin").map(String::as_str);
+    let big = format!(r#"{{"ids": [], "reason": "{}"}}"#, "x".repeat(4000));
+    let r = call(
+        &s.addr,
+        "POST",
+        "/api/v1/dead-letters/replay",
+        admin,
+        Some(&big),
+    )
+    .await;
+    assert_eq!(r.status, 413, "{}", r.body);
+    assert!(r.body.contains("admin.max_body_bytes"), "{}", r.body);
+
+    let r = call(&s.addr, "GET", "/api/v1/events?state=lost", admin, None).await;
+    assert_eq!(r.status, 400);
+    let p: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+    assert_eq!(p["status"], 400);
+    assert!(p["detail"].as_str().unwrap().contains("quarantined"), "{p}");
+    let r = call(
+        &s.addr,
+        "GET",
+        "/api/v1/events?recorded_from=yesterday",
+        admin,
+        None,
+    )
+    .await;
+    assert_eq!(r.status, 400);
+    assert!(r.body.contains("RFC 3339"), "{}", r.body);
+    let r = call(
+        &s.addr,
+        "POST",
+        "/api/v1/dead-letters/replay",
+        admin,
+        Some(r#"{"reason": "x"}"#),
+    )
+    .await;
+    assert_eq!(r.status, 400);
+    assert!(r.body.contains("expected"), "{}", r.body);
+    let r = call(&s.addr, "GET", "/api/v1/nothing-here", admin, None).await;
+    assert_eq!(r.status, 404);
+    assert!(r.body.contains("openapi.json"), "{}", r.body);
+    s.node.shutdown().await;
+
+    // A node with a small budget: the burst passes, the next request gets 429 and Retry-After.
+    let s = setup(&[("admin.requests_per_sec", "1"), ("admin.burst", "3")]).await;
+    let viewer = s.tokens.get("viewer").map(String::as_str);
+    let mut statuses = Vec::new();
+    for _ in 0..5 {
+        statuses.push(call(&s.addr, "GET", "/api/v1/status", viewer, None).await);
+    }
+    let limited: Vec<&Resp> = statuses.iter().filter(|r| r.status == 429).collect();
+    assert!(
+        !limited.is_empty(),
+        "{:?}",
+        statuses.iter().map(|r| r.status).collect::<Vec<_>>()
+    );
+    assert!(statuses[0].status == 200);
+    let retry: u64 = limited[0]
+        .headers
+        .get("retry-after")
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(retry >= 1);
+    assert_eq!(
+        limited[0].headers.get("content-type").map(String::as_str),
+        Some("application/problem+json")
+    );
+    // Probes are never limited.
+    assert_eq!(call(&s.addr, "GET", "/livez", None, None).await.status, 200);
+    s.node.shutdown().await;
+}
