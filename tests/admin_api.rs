@@ -407,3 +407,187 @@ async fn bodies_are_limited_bursts_get_429_with_retry_after_and_errors_are_probl
     assert_eq!(call(&s.addr, "GET", "/livez", None, None).await.status, 200);
     s.node.shutdown().await;
 }
+
+/// Runs `outpost` with `args` and returns stdout and stderr together.
+fn outpost_output(args: &[String]) -> String {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_outpost"));
+    cmd.args(args).current_dir(std::env::temp_dir());
+    for (k, _) in std::env::vars() {
+        if k.starts_with("OUTPOST_") {
+            cmd.env_remove(k);
+        }
+    }
+    let out = cmd.output().unwrap();
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn passwords_and_tokens_never_appear_in_answers_logs_metrics_or_the_audit_log() {
+    const DB_PASSWORD: &str = "canary-db-Zq81x";
+    const REDIS_PASSWORD: &str = "canary-redis-Kp27w";
+    let db = TestDb::new().await;
+    let redis = TestRedis::new();
+    // The test server trusts local connections whatever the password; Redis gets a user of
+    // the test's own with a password.
+    let mut db_url = url::Url::parse(&db.url).unwrap();
+    db_url.set_password(Some(DB_PASSWORD)).unwrap();
+    let user = format!("canary{}", uuid::Uuid::new_v4().simple());
+    let mut conn = redis.conn().await;
+    let _: () = redis::cmd("ACL")
+        .arg(&[
+            "SETUSER".to_owned(),
+            user.clone(),
+            "on".to_owned(),
+            format!(">{REDIS_PASSWORD}"),
+            "~*".to_owned(),
+            "&*".to_owned(),
+            "+@all".to_owned(),
+        ])
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let redis_url = format!("redis://{user}:{REDIS_PASSWORD}@127.0.0.1:6379");
+    let port = support::free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let mut args = support::relay_args(
+        &db,
+        &redis_url,
+        &redis.prefix,
+        "canary-node",
+        &[("admin.listen", &listen), ("log.level", "debug")],
+    );
+    args.push("--set".to_owned());
+    args.push(format!("database.url={db_url}"));
+    let log_path = std::env::temp_dir().join(format!("outpost-canary-{user}.log"));
+    let log = std::fs::File::create(&log_path).unwrap();
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_outpost"));
+    cmd.args(&args)
+        .arg("run")
+        .current_dir(std::env::temp_dir())
+        .stdout(log.try_clone().unwrap())
+        .stderr(log);
+    for (k, _) in std::env::vars() {
+        if k.starts_with("OUTPOST_") || k == "RUST_LOG" {
+            cmd.env_remove(k);
+        }
+    }
+    let mut node = support::NodeProcess(cmd.spawn().unwrap());
+    wait_until(60, "the node to be ready", || {
+        let listen = listen.clone();
+        async move { support::http_get(&listen, "/readyz").await.0 == 200 }
+    })
+    .await;
+
+    let root = Actor::new("test-root", Role::Admin);
+    let admin = db
+        .store
+        .create_token(&root, "canary-admin", Role::Admin)
+        .await
+        .unwrap()
+        .token;
+    let mut seen = String::new();
+    let created = call(
+        &listen,
+        "POST",
+        "/api/v1/tokens",
+        Some(&admin),
+        Some(r#"{"name": "canary-viewer", "role": "viewer"}"#),
+    )
+    .await;
+    assert_eq!(created.status, 201, "{}", created.body);
+    let viewer: String = serde_json::from_str::<serde_json::Value>(&created.body).unwrap()["token"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    for route in ROUTES.iter().filter(|r| r.method == "GET") {
+        let path = route
+            .path
+            .replace("{event_id}", &uuid::Uuid::new_v4().to_string());
+        for token in [
+            Some(admin.as_str()),
+            Some(viewer.as_str()),
+            None,
+            Some("opk_1_forged"),
+        ] {
+            let r = call(&listen, "GET", &path, token, None).await;
+            seen.push_str(&format!("{:?}\n{}\n", r.headers, r.body));
+        }
+    }
+    for body in [
+        r#"{"ids": [], "reason": "x"}"#,
+        "not json",
+        r#"{"partitions": [999]}"#,
+    ] {
+        for path in ["/api/v1/dead-letters/replay", "/api/v1/partitions/pause"] {
+            let r = call(&listen, "POST", path, Some(&admin), Some(body)).await;
+            seen.push_str(&format!("{}\n", r.body));
+        }
+    }
+    let config = call(&listen, "GET", "/api/v1/config", Some(&viewer), None).await;
+    assert!(config.body.contains("***"), "{}", config.body);
+    let revoked = call(
+        &listen,
+        "DELETE",
+        "/api/v1/tokens/canary-viewer",
+        Some(&admin),
+        None,
+    )
+    .await;
+    seen.push_str(&revoked.body);
+    let audit = db
+        .store
+        .audit_log(&outpost::store::AuditQuery::default())
+        .await
+        .unwrap();
+    seen.push_str(&serde_json::to_string(&audit).unwrap());
+    let mut cli = args[..args.len() - 2].to_vec();
+    cli.extend(["--set".to_owned(), format!("database.url={db_url}")]);
+    for extra in [
+        vec!["status"],
+        vec!["dead-letter", "list"],
+        vec!["audit"],
+        vec!["config", "print"],
+        vec!["admin", "token", "list"],
+    ] {
+        let mut a = cli.clone();
+        a.extend(extra.iter().map(|s| (*s).to_owned()));
+        seen.push_str(&outpost_output(&a));
+    }
+    let _ = std::process::Command::new("kill")
+        .args(["-TERM", &node.0.id().to_string()])
+        .status();
+    support::wait_exit(&mut node.0, 30).await;
+    let logs = std::fs::read_to_string(&log_path).unwrap();
+    std::fs::remove_file(&log_path).ok();
+    let _: () = redis::cmd("ACL")
+        .arg(&["DELUSER", user.as_str()])
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+
+    assert!(
+        logs.contains("node started"),
+        "the node's log was captured: {logs}"
+    );
+    assert!(
+        seen.contains("outpost_") && seen.contains("canary-viewer"),
+        "answers were captured"
+    );
+    let secret = |t: &str| t.rsplit('_').next().unwrap().to_owned();
+    for (what, canary) in [
+        ("database password", DB_PASSWORD.to_owned()),
+        ("Redis password", REDIS_PASSWORD.to_owned()),
+        ("admin token", secret(&admin)),
+        ("viewer token", secret(&viewer)),
+    ] {
+        assert!(!logs.contains(&canary), "{what} in the node's log");
+        assert!(
+            !seen.contains(&canary),
+            "{what} in an answer, the audit log or the CLI"
+        );
+    }
+}
