@@ -10,17 +10,10 @@ use std::collections::{BTreeSet, HashMap};
 
 use outpost::admin::routes::ROUTES;
 use outpost::store::{Actor, Role};
+use support::http::{FORM, Resp, call_with, panel_login};
 use support::{TestDb, TestRedis, relay_config_for, wait_until};
 
-/// An answer: status, headers (names lowercased) and body.
-#[derive(Debug)]
-struct Resp {
-    status: u16,
-    headers: HashMap<String, String>,
-    body: String,
-}
-
-/// One HTTP/1.0 request.
+/// One HTTP/1.0 request with a JSON body.
 async fn call(
     addr: &str,
     method: &str,
@@ -28,40 +21,16 @@ async fn call(
     token: Option<&str>,
     body: Option<&str>,
 ) -> Resp {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let mut req = format!("{method} {path} HTTP/1.0\r\nHost: {addr}\r\n");
-    if let Some(t) = token {
-        req.push_str(&format!("Authorization: Bearer {t}\r\n"));
-    }
-    if let Some(b) = body {
-        req.push_str(&format!(
-            "Content-Type: application/json\r\nContent-Length: {}\r\n",
-            b.len()
-        ));
-    }
-    req.push_str("\r\n");
-    req.push_str(body.unwrap_or(""));
-    s.write_all(req.as_bytes()).await.unwrap();
-    let mut buf = Vec::new();
-    let _ = s.read_to_end(&mut buf).await;
-    let text = String::from_utf8_lossy(&buf).into_owned();
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let mut lines = head.lines();
-    let status = lines
-        .next()
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let headers = lines
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
-        .collect();
-    Resp {
-        status,
-        headers,
-        body: body.to_owned(),
-    }
+    let auth = token.map(|t| format!("Bearer {t}"));
+    let headers: Vec<(&str, &str)> = auth.iter().map(|a| ("Authorization", a.as_str())).collect();
+    call_with(
+        addr,
+        method,
+        path,
+        &headers,
+        body.map(|b| ("application/json", b)),
+    )
+    .await
 }
 
 /// A node with the API on a free port and generous rate limits, and tokens of every role
@@ -72,9 +41,13 @@ struct Setup {
     node: outpost::dispatch::node::NodeHandle,
     addr: String,
     tokens: HashMap<&'static str, String>,
+    /// Panel sessions (cookie, CSRF token) by identity; the revoked one logged in before its
+    /// token was revoked.
+    sessions: HashMap<&'static str, (String, String)>,
 }
 
-async fn setup(extra: &[(&str, &str)]) -> Setup {
+/// `panel`: also log in to the panel with every token.
+async fn setup(extra: &[(&str, &str)], panel: bool) -> Setup {
     let db = TestDb::new().await;
     let redis = TestRedis::new();
     let mut overrides = vec![
@@ -95,26 +68,34 @@ async fn setup(extra: &[(&str, &str)]) -> Setup {
         let t = db.store.create_token(&root, name, role).await.unwrap();
         tokens.insert(name, t.token);
     }
-    db.store.revoke_token(&root, "revoked").await.unwrap();
     wait_until(30, "the node to be ready", || {
         let addr = addr.clone();
         async move { call(&addr, "GET", "/readyz", None, None).await.status == 200 }
     })
     .await;
+    let mut sessions = HashMap::new();
+    for (who, token) in tokens.iter().filter(|_| panel) {
+        sessions.insert(*who, panel_login(&addr, token).await.expect("panel login"));
+    }
+    db.store.revoke_token(&root, "revoked").await.unwrap();
     Setup {
         db,
         _redis: redis,
         node,
         addr,
         tokens,
+        sessions,
     }
 }
 
-/// What a route is called with in the matrix, and what it answers to someone allowed.
+/// What a route is called with in the matrix (`{csrf}` and `{token}` in a body stand for the
+/// identity's), and what it answers to someone allowed.
 struct Case {
     path: String,
     body: Option<String>,
     allowed: u16,
+    /// For a route that needs no token, what it answers without a valid one, when that differs.
+    invalid: Option<u16>,
 }
 
 fn case(path: &str, body: Option<&str>, allowed: u16) -> Case {
@@ -122,6 +103,7 @@ fn case(path: &str, body: Option<&str>, allowed: u16) -> Case {
         path: path.to_owned(),
         body: body.map(str::to_owned),
         allowed,
+        invalid: None,
     }
 }
 
@@ -193,12 +175,81 @@ fn cases() -> HashMap<(&'static str, &'static str), Case> {
             ("DELETE", "/api/v1/tokens/{name}"),
             case("/api/v1/tokens/made-by-matrix", None, 200),
         ),
+        (
+            ("GET", "/panel/static/panel.css"),
+            case("/panel/static/panel.css", None, 200),
+        ),
+        (("GET", "/panel/login"), case("/panel/login", None, 200)),
+        (
+            ("POST", "/panel/login"),
+            Case {
+                invalid: Some(401),
+                ..case("/panel/login", Some("token={token}"), 303)
+            },
+        ),
+        (("GET", "/panel"), case("/panel", None, 200)),
+        (
+            ("GET", "/panel/partitions"),
+            case("/panel/partitions", None, 200),
+        ),
+        (
+            ("POST", "/panel/partitions/confirm"),
+            case(
+                "/panel/partitions/confirm",
+                Some("csrf={csrf}&partition=5&action=pause"),
+                200,
+            ),
+        ),
+        (
+            ("POST", "/panel/partitions/apply"),
+            case(
+                "/panel/partitions/apply",
+                Some("csrf={csrf}&partition=5&action=resume"),
+                200,
+            ),
+        ),
+        (
+            ("GET", "/panel/events"),
+            case("/panel/events?state=held", None, 200),
+        ),
+        (
+            ("GET", "/panel/events/{event_id}"),
+            case(&format!("/panel/events/{nobody}"), None, 404),
+        ),
+        (
+            ("GET", "/panel/dead-letters"),
+            case("/panel/dead-letters", None, 200),
+        ),
+        (
+            ("POST", "/panel/dead-letters/confirm"),
+            case(
+                "/panel/dead-letters/confirm",
+                Some(&format!("csrf={{csrf}}&action=replay&id={nobody}")),
+                200,
+            ),
+        ),
+        (
+            ("POST", "/panel/dead-letters/apply"),
+            case(
+                "/panel/dead-letters/apply",
+                Some(&format!(
+                    "csrf={{csrf}}&action=replay&id={nobody}&reason=matrix"
+                )),
+                409,
+            ),
+        ),
+        (("GET", "/panel/audit"), case("/panel/audit", None, 200)),
+        (("GET", "/panel/config"), case("/panel/config", None, 200)),
+        (
+            ("POST", "/panel/logout"),
+            case("/panel/logout", Some("csrf={csrf}"), 303),
+        ),
     ])
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_route_answers_each_role_as_expected_and_refusals_change_nothing() {
-    let s = setup(&[]).await;
+    let s = setup(&[], true).await;
     let cases = cases();
     let identities: [(&str, Option<Role>); 5] = [
         ("anonymous", None),
@@ -218,12 +269,35 @@ async fn every_route_answers_each_role_as_expected_and_refusals_change_nothing()
         for (who, role) in identities {
             let token = s.tokens.get(who).map(String::as_str);
             let expected = match (route.role, role) {
-                (None, _) => c.allowed,
+                (None, None) => c.invalid.unwrap_or(c.allowed),
+                (None, Some(_)) => c.allowed,
+                (Some(_), None) if route.panel => 303,
                 (Some(_), None) => 401,
                 (Some(needed), Some(has)) if has >= needed => c.allowed,
                 (Some(_), Some(_)) => 403,
             };
-            let r = call(&s.addr, route.method, &c.path, token, c.body.as_deref()).await;
+            let r = if route.panel {
+                let (cookie, csrf) = s.sessions.get(who).cloned().unwrap_or_default();
+                let origin = format!("http://{}", s.addr);
+                let body = c.body.as_ref().map(|b| {
+                    b.replace("{csrf}", &csrf)
+                        .replace("{token}", token.unwrap_or_default())
+                });
+                let mut headers = vec![("Origin", origin.as_str())];
+                if !cookie.is_empty() {
+                    headers.push(("Cookie", cookie.as_str()));
+                }
+                call_with(
+                    &s.addr,
+                    route.method,
+                    &c.path,
+                    &headers,
+                    body.as_deref().map(|b| (FORM, b)),
+                )
+                .await
+            } else {
+                call(&s.addr, route.method, &c.path, token, c.body.as_deref()).await
+            };
             if r.status != expected {
                 failures.push(format!(
                     "{} {} as {who}: {} (expected {expected}) {}",
@@ -268,6 +342,8 @@ async fn every_route_answers_each_role_as_expected_and_refusals_change_nothing()
         ("partition.pause", "admin"),
         ("partition.pause", "operator"),
         ("partition.resume", "admin"),
+        ("partition.resume", "admin"),
+        ("partition.resume", "operator"),
         ("partition.resume", "operator"),
         ("token.create", "admin"),
         ("token.create", "test-root"),
@@ -287,7 +363,7 @@ async fn every_route_answers_each_role_as_expected_and_refusals_change_nothing()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_openapi_document_lists_exactly_the_registered_api_routes() {
-    let s = setup(&[]).await;
+    let s = setup(&[], false).await;
     let r = call(&s.addr, "GET", "/api/v1/openapi.json", None, None).await;
     assert_eq!(r.status, 200);
     let doc: serde_json::Value = serde_json::from_str(&r.body).unwrap();
@@ -334,7 +410,7 @@ async fn the_openapi_document_lists_exactly_the_registered_api_routes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bodies_are_limited_bursts_get_429_with_retry_after_and_errors_are_problems() {
-    let s = setup(&[("admin.max_body_bytes", "1024")]).await;
+    let s = setup(&[("admin.max_body_bytes", "1024")], false).await;
     let admin = s.tokens.get("admin").map(String::as_str);
     let big = format!(r#"{{"ids": [], "reason": "{}"}}"#, "x".repeat(4000));
     let r = call(
@@ -379,7 +455,11 @@ async fn bodies_are_limited_bursts_get_429_with_retry_after_and_errors_are_probl
     s.node.shutdown().await;
 
     // A node with a small budget: the burst passes, the next request gets 429 and Retry-After.
-    let s = setup(&[("admin.requests_per_sec", "1"), ("admin.burst", "3")]).await;
+    let s = setup(
+        &[("admin.requests_per_sec", "1"), ("admin.burst", "3")],
+        false,
+    )
+    .await;
     let viewer = s.tokens.get("viewer").map(String::as_str);
     let mut statuses = Vec::new();
     for _ in 0..5 {
@@ -458,7 +538,12 @@ async fn passwords_and_tokens_never_appear_in_answers_logs_metrics_or_the_audit_
         &redis_url,
         &redis.prefix,
         "canary-node",
-        &[("admin.listen", &listen), ("log.level", "debug")],
+        &[
+            ("admin.listen", &listen),
+            ("log.level", "debug"),
+            ("admin.requests_per_sec", "100000"),
+            ("admin.burst", "100000"),
+        ],
     );
     args.push("--set".to_owned());
     args.push(format!("database.url={db_url}"));
@@ -503,10 +588,16 @@ async fn passwords_and_tokens_never_appear_in_answers_logs_metrics_or_the_audit_
         .as_str()
         .unwrap()
         .to_owned();
+    let (cookie, _) = panel_login(&listen, &admin).await.unwrap();
     for route in ROUTES.iter().filter(|r| r.method == "GET") {
         let path = route
             .path
             .replace("{event_id}", &uuid::Uuid::new_v4().to_string());
+        if route.panel {
+            let r = call_with(&listen, "GET", &path, &[("Cookie", &cookie)], None).await;
+            seen.push_str(&format!("{:?}\n{}\n", r.headers, r.body));
+            continue;
+        }
         for token in [
             Some(admin.as_str()),
             Some(viewer.as_str()),
@@ -572,6 +663,10 @@ async fn passwords_and_tokens_never_appear_in_answers_logs_metrics_or_the_audit_
     assert!(
         logs.contains("node started"),
         "the node's log was captured: {logs}"
+    );
+    assert!(
+        seen.contains("Configuration") && seen.contains("***"),
+        "panel pages were captured"
     );
     assert!(
         seen.contains("outpost_") && seen.contains("canary-viewer"),

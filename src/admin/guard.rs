@@ -40,7 +40,7 @@ impl Limits {
         }
     }
 
-    fn check_address(&self, ip: IpAddr) -> Result<(), ApiError> {
+    pub(super) fn check_address(&self, ip: IpAddr) -> Result<(), ApiError> {
         self.by_address
             .check_key(&ip)
             .map_err(|n| ApiError::too_many(secs(&n), "this address"))

@@ -15,6 +15,7 @@
 mod api;
 mod guard;
 mod health;
+mod panel;
 mod problem;
 pub mod routes;
 
@@ -43,7 +44,13 @@ pub struct ApiState {
     limits: guard::Limits,
     /// The effective configuration, secrets redacted.
     config: serde_json::Value,
+    /// The same, as the panel shows it.
+    config_toml: String,
     max_body: usize,
+    /// The panel's log-in sessions.
+    sessions: panel::session::Sessions,
+    /// Mark the session cookie `Secure` (`admin.cookie_secure`).
+    cookie_secure: bool,
 }
 
 impl ApiState {
@@ -53,7 +60,10 @@ impl ApiState {
             store,
             limits: guard::Limits::new(config.admin.requests_per_sec, config.admin.burst),
             config: serde_json::to_value(config.redacted()).unwrap_or_default(),
+            config_toml: config.to_redacted_toml(),
             max_body: config.admin.max_body_bytes as usize,
+            sessions: panel::session::Sessions::default(),
+            cookie_secure: config.admin.cookie_secure,
         }
     }
 }

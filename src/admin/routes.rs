@@ -5,6 +5,7 @@
 use actix_web::middleware::from_fn;
 use actix_web::web;
 
+use super::panel::{self, actions, pages};
 use super::{api, guard, health};
 use crate::store::Role;
 
@@ -17,6 +18,8 @@ pub struct RouteSpec {
     pub path: &'static str,
     /// The least role it needs; `None`: no token needed.
     pub role: Option<Role>,
+    /// A panel page (a session cookie) rather than an API route (a bearer token).
+    pub panel: bool,
     build: fn() -> actix_web::Route,
 }
 
@@ -30,6 +33,22 @@ const fn route(
         method,
         path,
         role,
+        panel: false,
+        build,
+    }
+}
+
+const fn page(
+    method: &'static str,
+    path: &'static str,
+    role: Option<Role>,
+    build: fn() -> actix_web::Route,
+) -> RouteSpec {
+    RouteSpec {
+        method,
+        path,
+        role,
+        panel: true,
         build,
     }
 }
@@ -78,6 +97,41 @@ pub const ROUTES: &[RouteSpec] = &[
     route("DELETE", "/api/v1/tokens/{name}", A, || {
         web::delete().to(api::revoke_token)
     }),
+    page("GET", "/panel/static/panel.css", None, || {
+        web::get().to(panel::stylesheet)
+    }),
+    page("GET", "/panel/login", None, || {
+        web::get().to(panel::login_page)
+    }),
+    page("POST", "/panel/login", None, || {
+        web::post().to(panel::login)
+    }),
+    page("GET", "/panel", V, || web::get().to(pages::overview)),
+    page("GET", "/panel/partitions", V, || {
+        web::get().to(pages::partitions)
+    }),
+    page("POST", "/panel/partitions/confirm", O, || {
+        web::post().to(actions::partitions_confirm)
+    }),
+    page("POST", "/panel/partitions/apply", O, || {
+        web::post().to(actions::partitions_apply)
+    }),
+    page("GET", "/panel/events", V, || web::get().to(pages::events)),
+    page("GET", "/panel/events/{event_id}", V, || {
+        web::get().to(pages::event)
+    }),
+    page("GET", "/panel/dead-letters", V, || {
+        web::get().to(pages::dead_letters)
+    }),
+    page("POST", "/panel/dead-letters/confirm", O, || {
+        web::post().to(actions::dead_letters_confirm)
+    }),
+    page("POST", "/panel/dead-letters/apply", O, || {
+        web::post().to(actions::dead_letters_apply)
+    }),
+    page("GET", "/panel/audit", V, || web::get().to(pages::audit)),
+    page("GET", "/panel/config", V, || web::get().to(pages::config)),
+    page("POST", "/panel/logout", V, || web::post().to(panel::logout)),
 ];
 
 /// Registers [`ROUTES`]: one resource per path, each route behind the guard of its role.
@@ -92,9 +146,14 @@ pub fn register(cfg: &mut web::ServiceConfig) {
         let mut resource = web::resource(path);
         for r in ROUTES.iter().filter(|r| r.path == path) {
             let built = (r.build)();
-            resource = resource.route(match r.role {
-                Some(role) => built.wrap(from_fn(move |req, next| guard::require(role, req, next))),
-                None => built,
+            resource = resource.route(match (r.role, r.panel) {
+                (Some(role), false) => {
+                    built.wrap(from_fn(move |req, next| guard::require(role, req, next)))
+                }
+                (Some(role), true) => {
+                    built.wrap(from_fn(move |req, next| panel::require(role, req, next)))
+                }
+                (None, _) => built,
             });
         }
         cfg.service(resource);

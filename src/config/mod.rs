@@ -264,6 +264,10 @@ pub struct AdminConfig {
     pub burst: u32,
     /// Largest request body the JSON API reads; a larger one is answered 413.
     pub max_body_bytes: u32,
+    /// Marks the panel's session cookie `Secure` (sent over HTTPS only). Set it whenever TLS is
+    /// in front of the endpoint; without TLS a `Secure` cookie is never sent back and nobody
+    /// can log in.
+    pub cookie_secure: bool,
 }
 
 impl Default for AdminConfig {
@@ -273,6 +277,7 @@ impl Default for AdminConfig {
             requests_per_sec: 20,
             burst: 40,
             max_body_bytes: 65_536,
+            cookie_secure: false,
         }
     }
 }

@@ -15,6 +15,7 @@ use std::time::Duration;
 use outpost::store::{self, ConnectSettings, Store, admin};
 
 pub mod consumer;
+pub mod http;
 pub mod pg_server;
 pub mod proxy;
 pub mod redis_cluster;

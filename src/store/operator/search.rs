@@ -344,6 +344,23 @@ impl Store {
         })
     }
 
+    /// Events published in the last `secs` seconds (through the history's index on
+    /// `published_at`), counted up to 1,000,000.
+    pub async fn published_since_secs(&self, secs: u32) -> Result<i64, StoreError> {
+        self.connection()
+            .query_one_raw(stmt(
+                "SELECT count(*) FROM (SELECT 1 FROM outpost_published \
+                 WHERE published_at > now() - $1 * interval '1 second' LIMIT 1000000) s",
+                [i64::from(secs).into()],
+            ))
+            .await
+            .map_err(StoreError::from_db)?
+            .map(|r| r.try_get_by_index(0))
+            .transpose()
+            .map_err(StoreError::from_db)
+            .map(Option::unwrap_or_default)
+    }
+
     /// Quarantined events by failure code, most first (for `outpost status` and the overview).
     pub async fn quarantined_by_code(&self) -> Result<Vec<(String, i64)>, StoreError> {
         self.connection()
