@@ -686,3 +686,35 @@ async fn passwords_and_tokens_never_appear_in_answers_logs_metrics_or_the_audit_
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_token_the_endpoint_refuses_to_listen_beyond_loopback_and_says_how_to_fix_it() {
+    let db = TestDb::new().await;
+    let redis = TestRedis::new();
+    let config = relay_config_for(
+        &db,
+        &redis,
+        "exposed-node",
+        &[("admin.listen", "0.0.0.0:0")],
+    );
+    let start = |config: outpost::config::Config| async move {
+        support::init_logs();
+        tokio::task::spawn_blocking(move || outpost::dispatch::node::start(&config))
+            .await
+            .unwrap()
+    };
+    let Err(err) = start(config.clone()).await else {
+        panic!("a node without tokens listening beyond loopback started");
+    };
+    let text = err.to_string();
+    assert!(text.contains("outpost admin token create"), "{text}");
+    assert!(text.contains("loopback"), "{text}");
+    let root = Actor::new("test-root", Role::Admin);
+    db.store
+        .create_token(&root, "first", Role::Admin)
+        .await
+        .unwrap();
+    let node = start(config).await.expect("starts once a token exists");
+    assert!(!node.admin_addr().ip().is_loopback());
+    node.shutdown().await;
+}

@@ -70,11 +70,30 @@ impl ApiState {
 
 /// Starts the admin endpoint on `listen` (port 0 picks a free port) inside the current actix
 /// system and returns the bound address.
-pub fn serve(
+///
+/// Refuses to start on an address other than loopback while no API token exists: the panel and
+/// the API would be reachable with nobody able to log in, and the endpoint serves `/metrics`
+/// without a token. The error says how to create one.
+pub async fn serve(
     listen: SocketAddr,
     health: Arc<Health>,
     api: ApiState,
 ) -> std::io::Result<SocketAddr> {
+    if !listen.ip().is_loopback() {
+        let tokens = api
+            .store
+            .live_tokens()
+            .await
+            .map_err(|e| std::io::Error::other(e.to_string()))?;
+        if tokens == 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::PermissionDenied,
+                "no API token exists, and the panel and API must not be reachable from other \
+                 hosts without one: create one with `outpost admin token create --role admin \
+                 --name <who>`, or set admin.listen to a loopback address",
+            ));
+        }
+    }
     let state = web::Data::new(AppState {
         health,
         metrics: crate::metrics::install(),

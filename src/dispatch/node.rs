@@ -344,6 +344,7 @@ async fn boot(config: Config) -> Result<Booted, NodeError> {
         health.clone(),
         crate::admin::ApiState::new(store.clone(), &config),
     )
+    .await
     .map_err(|source| NodeError::Bind {
         addr: listen,
         source,

@@ -190,6 +190,21 @@ impl Store {
         Ok(info)
     }
 
+    /// How many tokens are live (not revoked).
+    pub async fn live_tokens(&self) -> Result<i64, StoreError> {
+        self.connection()
+            .query_one_raw(stmt(
+                "SELECT count(*) FROM outpost_token WHERE revoked_at IS NULL",
+                [],
+            ))
+            .await
+            .map_err(StoreError::from_db)?
+            .map(|r| r.try_get_by_index(0))
+            .transpose()
+            .map_err(StoreError::from_db)
+            .map(Option::unwrap_or_default)
+    }
+
     /// The identity of a presented token: `None` for a malformed, unknown, wrong or revoked
     /// token (the caller answers 401 alike for all). The hashes are compared in constant time.
     pub async fn authenticate(&self, token: &str) -> Result<Option<Actor>, StoreError> {
