@@ -76,12 +76,17 @@ async fn an_operator_logs_in_finds_a_dead_letter_and_replays_it_while_forged_pos
         async move { call_with(&addr, "GET", path, &[("Cookie", &cookie)], None).await }
     };
 
-    // The overview shows the backlog: one quarantined, one held.
+    // The overview shows the backlog figure and the one quarantined event.
     let overview = get("/panel").await;
     assert_eq!(overview.status, 200);
     assert!(
-        overview.body.contains(r#"id="backlog">1<"#),
+        overview.body.contains(r#"id="backlog">"#),
         "{}",
+        overview.body
+    );
+    assert!(
+        overview.body.contains(r#"href="/panel/dead-letters">1<"#),
+        "one quarantined: {}",
         overview.body
     );
     assert!(overview.body.contains("WRONGTYPE"), "quarantined by code");

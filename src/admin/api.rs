@@ -52,24 +52,28 @@ fn ok(v: serde_json::Value) -> HttpResponse {
     HttpResponse::Ok().json(v)
 }
 
-/// Backlog by state, quarantined events by code, the oldest undelivered age.
+/// Rows by state (as the nodes last counted them, every 15 s: a poll never scans the outbox),
+/// quarantined events by code and the oldest undelivered age (both read now).
 #[utoipa::path(get, path = "/api/v1/status", responses(
     (status = 200, description = "Backlog figures", body = Object)))]
 pub async fn status(state: State) -> Result<HttpResponse, ApiError> {
-    let backlog = store::backlog(&state.store).await?;
+    let figures = state
+        .store
+        .shared_backlog(crate::dispatch::supervisor::BACKLOG_EVERY, false)
+        .await?;
     let dead = state.store.quarantined_by_code().await?;
     Ok(ok(json!({
-        "by_state": backlog.by_status.iter()
+        "by_state": figures.by_status.iter()
             .map(|s| (s.status.clone(), json!(s.rows)))
             .collect::<serde_json::Map<_, _>>(),
-        "published_estimated": backlog.by_status.iter()
+        "by_state_counted_every_secs": crate::dispatch::supervisor::BACKLOG_EVERY.as_secs(),
+        "published_estimated": figures.by_status.iter()
             .any(|s| s.status == "published" && s.rows >= store::PUBLISHED_COUNTED_UP_TO),
         "quarantined_by_code": dead.iter()
             .map(|(c, n)| (c.clone(), json!(n)))
             .collect::<serde_json::Map<_, _>>(),
-        "oldest_pending_age_secs": backlog.oldest_pending_age_secs,
-        "nodes": backlog.nodes.len(),
-        "paused_partitions": backlog.partitions.iter().filter(|p| p.paused).count(),
+        "oldest_pending_age_secs": state.store.oldest_undelivered_age().await?,
+        "nodes": state.store.nodes_status().await?.len(),
     })))
 }
 
@@ -77,9 +81,10 @@ pub async fn status(state: State) -> Result<HttpResponse, ApiError> {
 #[utoipa::path(get, path = "/api/v1/partitions", responses(
     (status = 200, description = "Partitions", body = Object)))]
 pub async fn partitions(state: State) -> Result<HttpResponse, ApiError> {
-    let backlog = store::backlog(&state.store).await?;
-    let list: Vec<_> = backlog
-        .partitions
+    let list: Vec<_> = state
+        .store
+        .partitions_status()
+        .await?
         .iter()
         .map(|p| {
             json!({"partition": p.partition, "ready": p.ready, "owner": p.owner,
@@ -154,9 +159,10 @@ pub async fn resume(
 #[utoipa::path(get, path = "/api/v1/nodes", responses(
     (status = 200, description = "Nodes", body = Object)))]
 pub async fn nodes(state: State) -> Result<HttpResponse, ApiError> {
-    let backlog = store::backlog(&state.store).await?;
-    let list: Vec<_> = backlog
-        .nodes
+    let list: Vec<_> = state
+        .store
+        .nodes_status()
+        .await?
         .iter()
         .map(|n| {
             json!({"node_id": n.node_id, "hostname": n.hostname, "pid": n.pid,

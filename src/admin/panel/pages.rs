@@ -11,10 +11,15 @@ type User = web::ReqData<PanelUser>;
 
 /// `GET /panel`: backlog, oldest undelivered age, quarantined by code, nodes.
 pub async fn overview(state: State, user: User) -> Result<HttpResponse, PanelError> {
-    let backlog = store::backlog(&state.store).await?;
+    let figures = state
+        .store
+        .shared_backlog(crate::dispatch::supervisor::BACKLOG_EVERY, false)
+        .await?;
+    let oldest = state.store.oldest_undelivered_age().await?;
+    let nodes = state.store.nodes_status().await?;
     let codes = state.store.quarantined_by_code().await?;
     let rows = |s: &str| {
-        backlog
+        figures
             .by_status
             .iter()
             .find(|c| c.status == s)
@@ -24,13 +29,11 @@ pub async fn overview(state: State, user: User) -> Result<HttpResponse, PanelErr
     let page = views::Overview {
         who: user.who(),
         csrf: user.session.csrf.clone(),
-        oldest: backlog
-            .oldest_pending_age_secs
-            .map_or_else(|| "none".to_owned(), |s| format!("{s:.1} s")),
+        oldest: oldest.map_or_else(|| "none".to_owned(), |s| format!("{s:.1} s")),
         backlog: rows("pending") + rows("retry_wait") + rows("held"),
-        quarantined: rows("quarantined"),
+        quarantined: codes.iter().map(|(_, n)| n).sum(),
         published_recently: recent.to_string(),
-        states: backlog
+        states: figures
             .by_status
             .iter()
             .map(|s| {
@@ -44,8 +47,7 @@ pub async fn overview(state: State, user: User) -> Result<HttpResponse, PanelErr
             })
             .collect(),
         codes,
-        nodes: backlog
-            .nodes
+        nodes: nodes
             .iter()
             .map(|n| {
                 (
@@ -63,13 +65,12 @@ pub async fn overview(state: State, user: User) -> Result<HttpResponse, PanelErr
 
 /// `GET /panel/partitions`.
 pub async fn partitions(state: State, user: User) -> Result<HttpResponse, PanelError> {
-    let backlog = store::backlog(&state.store).await?;
+    let partitions = state.store.partitions_status().await?;
     let page = views::Partitions {
         who: user.who(),
         csrf: user.session.csrf.clone(),
         can_act: user.actor.role >= Role::Operator,
-        rows: backlog
-            .partitions
+        rows: partitions
             .iter()
             .map(|p| {
                 (
