@@ -4,6 +4,7 @@
 mod admin_token;
 mod audit;
 mod bench;
+mod bench_admin;
 mod bench_consumer;
 mod bench_latency;
 mod bench_rate;

@@ -267,6 +267,22 @@ fn summary(r: &sea_orm::QueryResult) -> Result<EventSummary, StoreError> {
     })
 }
 
+/// The statement of a search page: `limit + 1` rows, to tell whether there is a next page.
+fn search_sql(filter: &EventFilter, after: Option<i64>, limit: u32) -> (String, Vec<Value>) {
+    let mut values = Vec::new();
+    let mut sql = format!(
+        "SELECT {SUMMARY_COLUMNS} FROM outpost_event WHERE {}",
+        filter.conditions(&mut values)
+    );
+    if let Some(a) = after {
+        values.push(a.into());
+        sql.push_str(&format!(" AND id > ${}", values.len()));
+    }
+    values.push((i64::from(limit) + 1).into());
+    sql.push_str(&format!(" ORDER BY id LIMIT ${}", values.len()));
+    (sql, values)
+}
+
 fn bad_filter(message: String) -> StoreError {
     StoreError::Refused {
         kind: "input",
@@ -284,17 +300,7 @@ impl Store {
     ) -> Result<EventPage, StoreError> {
         filter.check().map_err(bad_filter)?;
         let limit = limit.clamp(1, MAX_PAGE);
-        let mut values = Vec::new();
-        let mut sql = format!(
-            "SELECT {SUMMARY_COLUMNS} FROM outpost_event WHERE {}",
-            filter.conditions(&mut values)
-        );
-        if let Some(a) = after {
-            values.push(a.into());
-            sql.push_str(&format!(" AND id > ${}", values.len()));
-        }
-        values.push((i64::from(limit) + 1).into());
-        sql.push_str(&format!(" ORDER BY id LIMIT ${}", values.len()));
+        let (sql, values) = search_sql(filter, after, limit);
         let mut events = self
             .connection()
             .query_all_raw(stmt(&sql, values))
@@ -342,6 +348,38 @@ impl Store {
             rows,
             capped: rows >= cap,
         })
+    }
+
+    /// `EXPLAIN` of a search page and of its count (for `outpost bench admin`: which indexes
+    /// they use).
+    pub async fn explain_search(
+        &self,
+        filter: &EventFilter,
+        after: Option<i64>,
+    ) -> Result<Vec<String>, StoreError> {
+        let (sql, values) = search_sql(filter, after, 50);
+        let mut count_values = Vec::new();
+        let cond = filter.conditions(&mut count_values);
+        count_values.push(i64::try_from(COUNT_CAP).unwrap_or(i64::MAX).into());
+        let count = format!(
+            "SELECT count(*) FROM (SELECT 1 FROM outpost_event WHERE {cond} LIMIT ${}) s",
+            count_values.len()
+        );
+        let mut plan = Vec::new();
+        for (sql, values) in [(sql, values), (count, count_values)] {
+            for r in self
+                .connection()
+                .query_all_raw(stmt(&format!("EXPLAIN {sql}"), values))
+                .await
+                .map_err(StoreError::from_db)?
+            {
+                plan.push(
+                    r.try_get_by_index::<String>(0)
+                        .map_err(StoreError::from_db)?,
+                );
+            }
+        }
+        Ok(plan)
     }
 
     /// Events published in the last `secs` seconds (through the history's index on
