@@ -71,11 +71,32 @@ async fn measure(store: &Store, args: &AdminBench) -> anyhow::Result<()> {
         store.oldest_undelivered_age().await?;
         store.nodes_status().await?;
         store.quarantined_by_code().await?;
-        store.published_since_secs(60).await?;
+        store.publish_rate().await?;
         Ok(())
     })
     .await?;
     report("overview", &overview);
+    let every = crate::dispatch::supervisor::BACKLOG_EVERY;
+    let t = time(args.rounds, || async {
+        Ok(store.shared_backlog(every, false).await.map(drop)?)
+    })
+    .await?;
+    report("  rows by state (stored)", &t);
+    let t = time(args.rounds, || async {
+        Ok(store.oldest_undelivered_age().await.map(drop)?)
+    })
+    .await?;
+    report("  oldest undelivered", &t);
+    let t = time(args.rounds, || async {
+        Ok(store.quarantined_by_code().await.map(drop)?)
+    })
+    .await?;
+    report("  quarantined by code", &t);
+    let t = time(args.rounds, || async {
+        Ok(store.publish_rate().await.map(drop)?)
+    })
+    .await?;
+    report("  publish rate", &t);
     for (name, filter, after) in [
         ("search, first page", &any, None),
         ("search, deep page (keyset)", &any, Some(deep)),

@@ -25,14 +25,14 @@ pub async fn overview(state: State, user: User) -> Result<HttpResponse, PanelErr
             .find(|c| c.status == s)
             .map_or(0, |c| c.rows)
     };
-    let recent = state.store.published_since_secs(60).await?;
+    let rate = state.store.publish_rate().await?;
     let page = views::Overview {
         who: user.who(),
         csrf: user.session.csrf.clone(),
         oldest: oldest.map_or_else(|| "none".to_owned(), |s| format!("{s:.1} s")),
         backlog: rows("pending") + rows("retry_wait") + rows("held"),
         quarantined: codes.iter().map(|(_, n)| n).sum(),
-        published_recently: recent.to_string(),
+        publish_rate: format!("{rate:.0}/s"),
         states: figures
             .by_status
             .iter()

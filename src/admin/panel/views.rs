@@ -48,7 +48,7 @@ pub struct Overview {
     pub oldest: String,
     pub backlog: i64,
     pub quarantined: i64,
-    pub published_recently: String,
+    pub publish_rate: String,
     pub states: Vec<(String, i64)>,
     pub codes: Vec<(String, i64)>,
     /// node, host, leases, heartbeat age, version

@@ -382,21 +382,31 @@ impl Store {
         Ok(plan)
     }
 
-    /// Events published in the last `secs` seconds (through the history's index on
-    /// `published_at`), counted up to 1,000,000.
-    pub async fn published_since_secs(&self, secs: u32) -> Result<i64, StoreError> {
-        self.connection()
+    /// The cluster's publish rate, events per second, from the newest 1,000 events published
+    /// in the last minute (read backwards through the history's index on `published_at`, so it
+    /// costs the same at any rate): their count over the time they span, or over the minute
+    /// when there were fewer.
+    pub async fn publish_rate(&self) -> Result<f64, StoreError> {
+        let row = self
+            .connection()
             .query_one_raw(stmt(
-                "SELECT count(*) FROM (SELECT 1 FROM outpost_published \
-                 WHERE published_at > now() - $1 * interval '1 second' LIMIT 1000000) s",
-                [i64::from(secs).into()],
+                "SELECT count(*), extract(epoch FROM now() - min(published_at))::float8 \
+                 FROM (SELECT published_at FROM outpost_published \
+                       WHERE published_at > now() - interval '60 seconds' \
+                       ORDER BY published_at DESC LIMIT 1000) s",
+                [],
             ))
             .await
-            .map_err(StoreError::from_db)?
-            .map(|r| r.try_get_by_index(0))
-            .transpose()
-            .map_err(StoreError::from_db)
-            .map(Option::unwrap_or_default)
+            .map_err(StoreError::from_db)?;
+        let Some(r) = row else { return Ok(0.0) };
+        let n: i64 = r.try_get_by_index(0).map_err(StoreError::from_db)?;
+        let span: Option<f64> = r.try_get_by_index(1).map_err(StoreError::from_db)?;
+        let span = if n >= 1000 {
+            span.unwrap_or(60.0)
+        } else {
+            60.0
+        };
+        Ok(n as f64 / span.max(0.001))
     }
 
     /// Quarantined events by failure code, most first (for `outpost status` and the overview).
