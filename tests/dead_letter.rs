@@ -257,13 +257,7 @@ async fn a_poisoned_event_is_found_by_its_code_shown_whole_and_replayed_by_id() 
     let db = TestDb::new().await;
     let redis = TestRedis::new();
     let mut conn = redis.conn().await;
-    let poisoned = format!("{}events:poison", redis.prefix);
-    let _: () = redis::cmd("SET")
-        .arg(&poisoned)
-        .arg("x")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    let poisoned = support::poison_stream(&mut conn, &redis, "poison").await;
     let mut ids = Vec::new();
     for n in 0..3 {
         let fact = EventFact::new("poison", "p0", "thing.happened", json!({"n": n})).header(

@@ -18,13 +18,7 @@ async fn an_operator_logs_in_finds_a_dead_letter_and_replays_it_while_forged_pos
     let db = TestDb::new().await;
     let redis = TestRedis::new();
     let mut conn = redis.conn().await;
-    let poisoned = format!("{}events:poison", redis.prefix);
-    let _: () = redis::cmd("SET")
-        .arg(&poisoned)
-        .arg("x")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    let poisoned = support::poison_stream(&mut conn, &redis, "poison").await;
     let mut ids = Vec::new();
     for n in 0..2 {
         let fact = EventFact::new("poison", "p0", "thing.happened", json!({"n": n}));

@@ -303,11 +303,27 @@ pub async fn replay(
     actor: Caller,
     body: web::Json<ActionBody>,
 ) -> Result<HttpResponse, ApiError> {
+    settle(&state, &actor, &body, true).await
+}
+
+async fn settle(
+    state: &ApiState,
+    actor: &Actor,
+    body: &ActionBody,
+    replay: bool,
+) -> Result<HttpResponse, ApiError> {
     let selection = body.selection()?;
-    let outcome = state
-        .store
-        .replay_events(&actor, &selection, &body.reason)
-        .await?;
+    let outcome = if replay {
+        state
+            .store
+            .replay_events(actor, &selection, &body.reason)
+            .await?
+    } else {
+        state
+            .store
+            .discard_events(actor, &selection, &body.reason)
+            .await?
+    };
     Ok(HttpResponse::Ok().json(outcome))
 }
 
@@ -320,12 +336,7 @@ pub async fn discard(
     actor: Caller,
     body: web::Json<ActionBody>,
 ) -> Result<HttpResponse, ApiError> {
-    let selection = body.selection()?;
-    let outcome = state
-        .store
-        .discard_events(&actor, &selection, &body.reason)
-        .await?;
-    Ok(HttpResponse::Ok().json(outcome))
+    settle(&state, &actor, &body, false).await
 }
 
 /// The audit log, newest first (`before` = the last id of the previous page).

@@ -755,3 +755,20 @@ pub async fn aggregate_in(db: &TestDb, partition: i32, skip: i64) -> String {
     .await;
     format!("o{n}")
 }
+
+/// Puts a key of the wrong type where the stream of aggregate type `kind` goes, so that its
+/// events fail with `WRONGTYPE` until the key is deleted; returns the key.
+pub async fn poison_stream(
+    conn: &mut redis::aio::MultiplexedConnection,
+    redis: &TestRedis,
+    kind: &str,
+) -> String {
+    let key = format!("{}events:{kind}", redis.prefix);
+    let _: () = redis::cmd("SET")
+        .arg(&key)
+        .arg("x")
+        .query_async(conn)
+        .await
+        .expect("SET");
+    key
+}
