@@ -56,6 +56,8 @@ pub const REPUBLISHED: &str = "outpost_republished_events_total";
 pub const REDIS_MAY_EVICT: &str = "outpost_redis_may_evict";
 /// 1 when Redis has append-only persistence on.
 pub const REDIS_AOF: &str = "outpost_redis_aof_enabled";
+/// Operator actions refused (`action`, `reason` = `role`|`state`|`count`|`input`|`not_found`).
+pub const ADMIN_REFUSED: &str = "outpost_admin_refused_total";
 /// Size of the outbox table (heap, TOAST, free space map), bytes.
 pub const TABLE_BYTES: &str = "outpost_outbox_table_bytes";
 /// Size of the outbox table's indexes, bytes.
@@ -179,6 +181,11 @@ fn describe() {
         "Events quarantined after max_attempts."
     );
     describe_counter!(NO_DESTINATION, Unit::Count, "Events routed nowhere.");
+    describe_counter!(
+        ADMIN_REFUSED,
+        Unit::Count,
+        "Operator actions refused, by action and reason; nothing was changed."
+    );
     describe_counter!(
         RATE_LIMITED_WAITS,
         Unit::Count,

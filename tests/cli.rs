@@ -6,6 +6,8 @@ mod support;
 
 use std::process::Command;
 
+use sea_orm::{ConnectionTrait, DbBackend, Statement};
+
 fn outpost() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_outpost"));
     // Run from an empty directory so the repository's config/outpost.toml is not picked up,
@@ -126,6 +128,20 @@ fn run_node(database_url: &str, redis_url: &str) -> (bool, String) {
     )
 }
 
+/// `outpost <args>` against `db`: exit success, stdout and stderr.
+fn run_on(db: &support::TestDb, args: &[&str]) -> (bool, String, String) {
+    let out = outpost()
+        .args(["--set", &format!("database.url={}", db.url)])
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
 /// The errors a newcomer meets on the way to a running node each name the cause and the fix.
 #[tokio::test]
 async fn first_run_errors_name_the_cause_and_the_fix() {
@@ -217,4 +233,157 @@ fn demo_without_the_records_binary_says_how_to_build_it() {
         stderr.contains("cargo build --release --workspace"),
         "{stderr}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_are_listed_shown_replayed_by_filter_with_confirmation_and_audited() {
+    let db = support::TestDb::new().await;
+    for a in 0..3 {
+        let facts = (0..2)
+            .map(|n| {
+                outpost::produce::EventFact::new(
+                    "order",
+                    format!("o{a}"),
+                    "order.placed",
+                    serde_json::json!({"n": n}),
+                )
+            })
+            .collect();
+        support::commit_facts(&db.store, facts).await;
+    }
+    for sql in [
+        "UPDATE outpost_event SET status = CASE WHEN aggregate_seq = 1 THEN 'quarantined' \
+           ELSE 'held' END, attempts = 3, \
+           last_error = CASE WHEN aggregate_seq = 1 THEN 'WRONGTYPE Operation against a key' END",
+        "UPDATE outpost_aggregate SET blocked_seq = 1",
+    ] {
+        db.store
+            .connection()
+            .execute_raw(Statement::from_string(DbBackend::Postgres, sql))
+            .await
+            .unwrap();
+    }
+
+    let (ok, out, err) = run_on(&db, &["status"]);
+    assert!(ok, "{err}");
+    assert!(out.contains("quarantined by error code"), "{out}");
+    assert!(
+        out.lines()
+            .any(|l| l.trim_start().starts_with("WRONGTYPE") && l.ends_with(" 3")),
+        "{out}"
+    );
+
+    let (ok, out, err) = run_on(&db, &["dead-letter", "list", "--code", "WRONGTYPE"]);
+    assert!(ok, "{err}");
+    assert!(out.starts_with("3 matching event(s)"), "{out}");
+    let first_id = out
+        .lines()
+        .nth(2)
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_owned();
+
+    let (ok, out, err) = run_on(&db, &["dead-letter", "show", &first_id]);
+    assert!(ok, "{err}");
+    assert!(out.contains("error code:    WRONGTYPE"), "{out}");
+    assert!(out.contains("\"n\": 0"), "{out}");
+
+    // --all-matching shows the count and changes nothing without --yes.
+    let act = [
+        "dead-letter",
+        "replay",
+        "--all-matching",
+        "--code",
+        "WRONGTYPE",
+        "--reason",
+        "fixed",
+    ];
+    let (ok, out, err) = run_on(&db, &act);
+    assert!(ok, "{err}");
+    assert!(
+        out.starts_with("3 quarantined event(s) match; nothing was changed"),
+        "{out}"
+    );
+    let (ok, _, err) = run_on(&db, &[&act[..], &["--yes", "--expect", "2"]].concat());
+    assert!(!ok);
+    assert!(err.contains("not the 2 given with --expect"), "{err}");
+    let (ok, out, err) = run_on(&db, &[&act[..], &["--yes", "--expect", "3"]].concat());
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("replayed 3 event(s); 3 held event(s)"),
+        "{out}"
+    );
+
+    let (ok, out, err) = run_on(
+        &db,
+        &["dead-letter", "discard", &first_id, "--reason", "gone"],
+    );
+    assert!(!ok, "{out}");
+    assert!(err.contains("not quarantined"), "{err}");
+
+    let (ok, out, err) = run_on(&db, &["audit"]);
+    assert!(ok, "{err}");
+    assert_eq!(
+        out.lines().filter(|l| l.contains("event.replay")).count(),
+        1,
+        "{out}"
+    );
+    assert!(!out.contains("event.discard"), "{out}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_is_shown_once_listed_without_its_secret_and_revoked() {
+    let db = support::TestDb::new().await;
+    let (ok, out, err) = run_on(
+        &db,
+        &[
+            "admin",
+            "token",
+            "create",
+            "--role",
+            "operator",
+            "--name",
+            "ops-alice",
+        ],
+    );
+    assert!(ok, "{err}");
+    let token = out.trim().to_owned();
+    assert!(token.starts_with("opk_"), "{out}");
+    assert!(err.contains("shown once"), "{err}");
+    let actor = db.store.authenticate(&token).await.unwrap().unwrap();
+    assert_eq!(actor.name, "ops-alice");
+
+    let (ok, out, err) = run_on(&db, &["admin", "token", "list"]);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("ops-alice") && out.contains("operator"),
+        "{out}"
+    );
+    let secret = token.rsplit('_').next().unwrap();
+    assert!(!out.contains(secret) && !err.contains(secret), "{out}{err}");
+
+    let (ok, _, err) = run_on(
+        &db,
+        &["admin", "token", "create", "--role", "root", "--name", "x"],
+    );
+    assert!(!ok);
+    assert!(err.contains("viewer") && err.contains("admin"), "{err}");
+
+    let (ok, out, err) = run_on(&db, &["admin", "token", "revoke", "--name", "ops-alice"]);
+    assert!(ok, "{err}");
+    assert!(out.contains("revoked"), "{out}");
+    assert_eq!(db.store.authenticate(&token).await.unwrap(), None);
+    let (ok, out, err) = run_on(&db, &["audit", "--json"]);
+    assert!(ok, "{err}");
+    assert!(!out.contains(secret), "{out}");
+    let rows: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let actions: Vec<&str> = rows
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["action"].as_str().unwrap())
+        .collect();
+    assert_eq!(actions, vec!["token.revoke", "token.create"]);
 }

@@ -50,8 +50,8 @@ async fn janitor_deletes_only_rows_past_their_window_in_bounded_batches() {
     // Old rows in the other states: quarantined stays, discarded and no_destination age out.
     exec(
         &db,
-        "UPDATE outpost_event SET recorded_at = now() - interval '400 days' \
-         WHERE status = 'pending'",
+        "UPDATE outpost_event SET recorded_at = now() - interval '400 days', \
+           next_attempt_at = now() - interval '400 days' WHERE status = 'pending'",
     )
     .await;
     exec(

@@ -39,6 +39,7 @@ mod m20261205_000009_nudge_opt_out;
 mod m20261206_000010_insert_fixes;
 mod m20261206_000011_stream_positions;
 mod m20261206_000012_owned_columns;
+mod m20261206_000013_operator_surface;
 
 /// The ordered list of Outpost's migrations, recorded in `outpost_migrations`.
 #[derive(Debug)]
@@ -60,6 +61,7 @@ impl MigratorTrait for Migrator {
             Box::new(m20261206_000010_insert_fixes::Migration),
             Box::new(m20261206_000011_stream_positions::Migration),
             Box::new(m20261206_000012_owned_columns::Migration),
+            Box::new(m20261206_000013_operator_surface::Migration),
         ]
     }
 

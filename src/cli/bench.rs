@@ -32,6 +32,9 @@ pub enum BenchCommand {
     /// Rate limits over a cluster: the measured rate beside a global limit, and the other
     /// streams' throughput while one stream is limited.
     Rate(super::bench_rate::RateBench),
+    /// The operator surface over a large outbox and history: overview, event search (first and
+    /// deep page), dead-letter filter, with their plans.
+    Admin(super::bench_admin::AdminBench),
 }
 
 /// Options of `outpost bench producer`.
@@ -64,6 +67,7 @@ pub(super) async fn run(config: &Config, which: BenchCommand) -> anyhow::Result<
         BenchCommand::Consumer(args) => super::bench_consumer::run(config, args).await,
         BenchCommand::Retention(args) => super::bench_retention::run(config, args).await,
         BenchCommand::Rate(args) => super::bench_rate::run(config, args).await,
+        BenchCommand::Admin(args) => super::bench_admin::run(config, args).await,
     }
 }
 

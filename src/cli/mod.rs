@@ -1,13 +1,17 @@
 //! The `outpost` command line. This is the binary's edge: errors become `anyhow` here, are
 //! printed once, and decide the exit code.
 
+mod admin_token;
+mod audit;
 mod bench;
+mod bench_admin;
 mod bench_consumer;
 mod bench_latency;
 mod bench_rate;
 mod bench_relay;
 mod bench_retention;
 mod config_cmd;
+mod dead_letter;
 mod demo;
 mod migrate;
 mod pause;
@@ -67,6 +71,18 @@ pub enum Command {
     Resume(pause::PartitionArgs),
     /// Backlog by state and partition, oldest pending age, nodes and leases.
     Status(status::StatusArgs),
+    /// Find quarantined events, look at one, replay or discard them (audited).
+    DeadLetter {
+        #[command(subcommand)]
+        action: dead_letter::DeadLetterAction,
+    },
+    /// The log of operator actions, newest first.
+    Audit(audit::AuditArgs),
+    /// Administration: API tokens.
+    Admin {
+        #[command(subcommand)]
+        action: admin_token::AdminAction,
+    },
     /// Write load through the real producer API.
     Produce(produce::ProduceArgs),
     /// Print a stream's entries as they arrive, decoded.
@@ -120,6 +136,9 @@ pub fn main() -> ExitCode {
             Command::Status(args) => status::run(&config, args).await,
             Command::Pause(args) => pause::run(&config, args, true).await,
             Command::Resume(args) => pause::run(&config, args, false).await,
+            Command::DeadLetter { action } => dead_letter::run(&config, action).await,
+            Command::Audit(args) => audit::run(&config, args).await,
+            Command::Admin { action } => admin_token::run(&config, action).await,
             Command::Produce(args) => produce::run(&config, args).await,
             Command::Tail(args) => tail::run(&config, args).await,
             Command::Bench { which } => bench::run(&config, which).await,
@@ -190,4 +209,23 @@ pub(crate) async fn connect(config: &Config, purpose: &str) -> anyhow::Result<St
     })
     .await
     .with_context(|| format!("connecting to the database at {url}"))
+}
+
+/// The identity of an operator at the command line: `cli:<user>@<host>`. Whoever can run the
+/// CLI against the database holds its credentials, so the CLI acts as an admin.
+pub(crate) fn cli_actor() -> crate::store::Actor {
+    crate::store::Actor::new(
+        format!(
+            "cli:{}@{}",
+            std::env::var("USER").unwrap_or_else(|_| "unknown".to_owned()),
+            crate::dispatch::node::hostname()
+        ),
+        crate::store::Role::Admin,
+    )
+}
+
+/// Writes to stdout, ignoring a closed pipe (`outpost status | head`).
+pub(crate) fn emit(text: &str) {
+    use std::io::Write as _;
+    let _ = std::io::stdout().lock().write_all(text.as_bytes());
 }

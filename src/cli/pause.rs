@@ -29,14 +29,8 @@ pub(super) async fn run(config: &Config, args: PartitionArgs, pause: bool) -> an
             count - 1
         );
     }
-    let actor = format!(
-        "cli:{}@{}",
-        std::env::var("USER").unwrap_or_else(|_| "unknown".to_owned()),
-        crate::dispatch::node::hostname()
-    );
-    let changed = store
-        .set_paused(&partitions, pause, &actor, "operator")
-        .await?;
+    let actor = super::cli_actor();
+    let changed = store.pause_partitions(&actor, &partitions, pause).await?;
     let verb = if pause { "paused" } else { "resumed" };
     println!(
         "{verb} {} partition(s){}; the owning node applies it at its next heartbeat",

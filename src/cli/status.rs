@@ -2,6 +2,7 @@
 
 use clap::Args;
 
+use super::emit;
 use crate::config::Config;
 use crate::store::{self, PUBLISHED_COUNTED_UP_TO};
 
@@ -19,12 +20,16 @@ pub struct StatusArgs {
 pub(super) async fn run(config: &Config, args: StatusArgs) -> anyhow::Result<()> {
     let store = super::connect(config, "status").await?;
     let backlog = store::backlog(&store).await?;
+    let dead = store.quarantined_by_code().await?;
     if args.json {
         let v = serde_json::json!({
             "by_status": backlog.by_status.iter()
                 .map(|s| (s.status.clone(), serde_json::Value::from(s.rows)))
                 .collect::<serde_json::Map<_, _>>(),
             "oldest_pending_age_secs": backlog.oldest_pending_age_secs,
+            "quarantined_by_code": dead.iter()
+                .map(|(code, n)| (code.clone(), serde_json::Value::from(*n)))
+                .collect::<serde_json::Map<_, _>>(),
             "nodes": backlog.nodes.iter().map(|n| serde_json::json!({
                 "node_id": n.node_id, "hostname": n.hostname, "pid": n.pid,
                 "version": n.version, "heartbeat_age_secs": n.heartbeat_age_secs,
@@ -51,6 +56,19 @@ pub(super) async fn run(config: &Config, args: StatusArgs) -> anyhow::Result<()>
             ""
         };
         writeln!(out, "  {:<15} {:>12}{about}", s.status, s.rows)?;
+    }
+    if !dead.is_empty() {
+        writeln!(
+            out,
+            "quarantined by error code (`outpost dead-letter list --code CODE`):"
+        )?;
+        for (code, n) in &dead {
+            writeln!(
+                out,
+                "  {:<15} {n:>12}",
+                if code.is_empty() { "(none)" } else { code }
+            )?;
+        }
     }
     match backlog.oldest_pending_age_secs {
         Some(age) => writeln!(out, "oldest pending: {age:.3} s")?,
@@ -87,10 +105,4 @@ pub(super) async fn run(config: &Config, args: StatusArgs) -> anyhow::Result<()>
     }
     emit(&out);
     Ok(())
-}
-
-/// Writes to stdout, ignoring a closed pipe (`outpost status | head`).
-fn emit(text: &str) {
-    use std::io::Write as _;
-    let _ = std::io::stdout().lock().write_all(text.as_bytes());
 }

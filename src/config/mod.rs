@@ -257,12 +257,27 @@ impl NodeConfig {
 pub struct AdminConfig {
     /// Address of the admin/metrics HTTP endpoint, `ip:port`.
     pub listen: String,
+    /// Sustained requests per second the JSON API allows each client address, and each token,
+    /// before answering 429 with `Retry-After`.
+    pub requests_per_sec: u32,
+    /// Requests a client address or a token may send at once above the sustained rate.
+    pub burst: u32,
+    /// Largest request body the JSON API reads; a larger one is answered 413.
+    pub max_body_bytes: u32,
+    /// Marks the panel's session cookie `Secure` (sent over HTTPS only). Set it whenever TLS is
+    /// in front of the endpoint; without TLS a `Secure` cookie is never sent back and nobody
+    /// can log in.
+    pub cookie_secure: bool,
 }
 
 impl Default for AdminConfig {
     fn default() -> Self {
         Self {
             listen: "127.0.0.1:9400".to_owned(),
+            requests_per_sec: 20,
+            burst: 40,
+            max_body_bytes: 65_536,
+            cookie_secure: false,
         }
     }
 }
@@ -462,7 +477,7 @@ pub struct RetentionConfig {
     pub published_secs: u64,
     /// Seconds a `no_destination` row is kept after it was recorded (90 days by default).
     pub no_destination_secs: u64,
-    /// Seconds a `discarded` row is kept after it was recorded.
+    /// Seconds a `discarded` row is kept after it was discarded.
     pub discarded_secs: u64,
     /// Rows deleted per statement.
     pub batch_rows: u32,
@@ -569,10 +584,8 @@ impl Config {
         }
     }
 
-    /// The effective configuration as TOML, every key included, with the
-    /// passwords of `database.url` and `redis.url` replaced by `***`. An unset
-    /// URL is shown as a comment.
-    pub fn to_redacted_toml(&self) -> String {
+    /// A copy with every secret redacted (passwords replaced by `***`), safe to show.
+    pub fn redacted(&self) -> Config {
         let mut shown = self.clone();
         shown.database.url = self
             .database
@@ -580,6 +593,14 @@ impl Config {
             .as_ref()
             .map(|s| Secret::new(s.redacted()));
         shown.redis.url = self.redis.url.as_ref().map(|s| Secret::new(s.redacted()));
+        shown
+    }
+
+    /// The effective configuration as TOML, every key included, with the
+    /// passwords of `database.url` and `redis.url` replaced by `***`. An unset
+    /// URL is shown as a comment.
+    pub fn to_redacted_toml(&self) -> String {
+        let shown = self.redacted();
         let body = match toml::to_string(&shown) {
             Ok(body) => body,
             // Strings, integers, booleans, a list and a map of strings always

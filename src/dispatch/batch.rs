@@ -627,8 +627,8 @@ async fn settle_and_mark(
                     tracing::error!(
                         partition = lease.partition,
                         quarantined = recorded.quarantined,
-                        "events quarantined after relay.max_attempts; inspect with \
-                             `outpost status` and release their aggregates to replay them"
+                        "events quarantined after relay.max_attempts; list them with \
+                             `outpost dead-letter list`, then `outpost dead-letter replay`"
                     );
                 }
                 match transient {

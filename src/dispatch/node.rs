@@ -341,11 +341,16 @@ async fn boot(config: Config) -> Result<Booted, NodeError> {
         .admin
         .listen_addr()
         .map_err(|e| NodeError::Config(format!("admin.listen: {e}")))?;
-    let admin_addr =
-        crate::admin::serve(listen, health.clone()).map_err(|source| NodeError::Bind {
-            addr: listen,
-            source,
-        })?;
+    let admin_addr = crate::admin::serve(
+        listen,
+        health.clone(),
+        crate::admin::ApiState::new(store.clone(), &config),
+    )
+    .await
+    .map_err(|source| NodeError::Bind {
+        addr: listen,
+        source,
+    })?;
     tracing::info!(node = %node_id, workers = workers_n, admin = ?admin_addr, "node started");
     Ok(Booted {
         node_id,

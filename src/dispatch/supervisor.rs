@@ -1306,7 +1306,7 @@ struct NudgeFlag {
 const POLLS_PER_WORKER: usize = 2;
 
 /// How often the backlog gauges are refreshed (and, across the cluster, counted).
-const BACKLOG_EVERY: Duration = Duration::from_secs(15);
+pub const BACKLOG_EVERY: Duration = Duration::from_secs(15);
 
 fn ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)

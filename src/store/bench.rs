@@ -453,3 +453,66 @@ pub async fn apply_to_projection<C: ConnectionTrait>(
     .map_err(StoreError::from_db)?;
     Ok(())
 }
+
+impl Store {
+    /// Fills a scratch database for `outpost bench admin`: `outbox` rows in the outbox (aggregates
+    /// of 10 events; every 1,000th row quarantined, alternately `WRONGTYPE` and `OVERSIZE`, with
+    /// the next 9 of its aggregate held; the rest pending) and `history` rows in
+    /// `outpost_published` spread over the last 7 days; then `VACUUM ANALYZE`. The outbox's user
+    /// triggers are off while it is written (the rows carry their own sequence and partition).
+    pub async fn fill_admin_bench(&self, outbox: u64, history: u64) -> Result<(), StoreError> {
+        let n = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        let db = self.connection();
+        db.execute_unprepared("ALTER TABLE outpost_event DISABLE TRIGGER USER")
+            .await
+            .map_err(StoreError::from_db)?;
+        let filled = db
+            .execute_raw(super::stmt(
+                "INSERT INTO outpost_event (id, event_id, aggregate_type, aggregate_id, \
+                   aggregate_seq, event_type, payload, partition, txid, status, attempts, \
+                   last_error, recorded_at, next_attempt_at) \
+                 SELECT g, gen_random_uuid(), 'order', 'o' || (g / 10), g % 10 + 1, \
+                   (ARRAY['order.placed', 'order.paid', 'order.shipped'])[g % 3 + 1], \
+                   jsonb_build_object('n', g, 'note', 'an order of the benchmark'), \
+                   ((g / 10) % 64)::int4, 1, \
+                   CASE WHEN g % 1000 = 0 THEN 'quarantined' \
+                        WHEN g % 1000 < 10 THEN 'held' ELSE 'pending' END, \
+                   CASE WHEN g % 1000 = 0 THEN 5 ELSE 0 END, \
+                   CASE WHEN g % 2000 = 0 THEN 'WRONGTYPE Operation against a key' \
+                        WHEN g % 1000 = 0 THEN 'OVERSIZE entry too large' END, \
+                   now() - ($1 - g) * interval '1 millisecond', now() \
+                 FROM generate_series(1, $1) AS g",
+                [n(outbox).into()],
+            ))
+            .await;
+        db.execute_unprepared("ALTER TABLE outpost_event ENABLE TRIGGER USER")
+            .await
+            .map_err(StoreError::from_db)?;
+        filled.map_err(StoreError::from_db)?;
+        db.execute_raw(super::stmt(
+            "INSERT INTO outpost_published (id, event_id, aggregate_type, aggregate_id, \
+               aggregate_seq, event_type, schema_version, occurred_at, recorded_at, payload, \
+               headers, partition, txid, attempts, published_at, stream_id) \
+             SELECT g, gen_random_uuid(), 'invoice', 'i' || (g / 10), g % 10 + 1, 'invoice.sent', \
+               '1', now(), now(), jsonb_build_object('n', g), '{}'::jsonb, \
+               ((g / 10) % 64)::int4, 1, 1, \
+               now() - (7 * 86400 * (1 - g::float8 / $2)) * interval '1 second', '0-0' \
+             FROM generate_series($1 + 1, $1 + $2) AS g",
+            [n(outbox).into(), n(history.max(1)).into()],
+        ))
+        .await
+        .map_err(StoreError::from_db)?;
+        db.execute_raw(super::stmt(
+            "SELECT setval('outpost_event_id_seq', $1)",
+            [n(outbox + history + 1).into()],
+        ))
+        .await
+        .map_err(StoreError::from_db)?;
+        for table in ["outpost_event", "outpost_published"] {
+            db.execute_unprepared(&format!("VACUUM (ANALYZE) {table}"))
+                .await
+                .map_err(StoreError::from_db)?;
+        }
+        Ok(())
+    }
+}

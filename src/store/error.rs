@@ -56,6 +56,15 @@ pub enum StoreError {
         /// The epoch the caller held.
         epoch: i64,
     },
+    /// An operator action was refused (not allowed for the role, events not in the state the
+    /// action needs, a confirmed count that no longer holds, bad input). Nothing was changed.
+    #[error("{message}")]
+    Refused {
+        /// Why, as a fixed word: `role`, `state`, `count`, `input`, `not_found`.
+        kind: &'static str,
+        /// What was wrong and how to go on.
+        message: String,
+    },
     /// Any other database error.
     #[error("database error: {0}")]
     Db(DbErr),

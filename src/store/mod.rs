@@ -15,6 +15,7 @@ mod lease;
 mod listen;
 mod migrate;
 mod node;
+pub mod operator;
 mod positions;
 mod retention;
 mod sql;
@@ -34,6 +35,12 @@ pub use lease::{Lease, LeaseTick};
 pub use listen::{Nudge, NudgeListener, WAKEUP_CHANNEL};
 pub use migrate::{MigrationState, migrate_down, migrate_status, migrate_up};
 pub use node::NodeInfo;
+pub use operator::audit::{Actor, AuditEntry, AuditQuery, Role};
+pub use operator::deadletter::{MAX_BULK, Outcome, Selection};
+pub use operator::search::{
+    COUNT_CAP, EventDetail, EventFilter, EventPage, EventState, EventSummary, MatchCount,
+};
+pub use operator::tokens::{NewToken, TokenInfo};
 pub use positions::{LostStream, PartitionRecovery, StreamMark};
 pub use retention::{Expiry, JANITOR_LOCK, RedisRecord, StorageFigures, StreamRecord};
 pub use status::{

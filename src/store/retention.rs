@@ -5,8 +5,9 @@
 //! transaction-scoped advisory lock: when several nodes run a janitor, one deletes at a time and
 //! the others skip that round (and `SKIP LOCKED` keeps them off each other's rows regardless).
 //! Published events are deleted from `outpost_published` through its index on `published_at`;
-//! `no_destination` and `discarded` rows from the outbox through `outpost_event_aged` on
-//! `(status, recorded_at)`. Quarantined rows are never deleted: they wait for an operator.
+//! `no_destination` rows from the outbox through `outpost_event_aged` on `(status, recorded_at)`,
+//! `discarded` ones through `outpost_event_discarded` on the time they were discarded (kept in
+//! their `next_attempt_at`). Quarantined rows are never deleted: they wait for an operator.
 
 use sea_orm::{ConnectionTrait, TransactionTrait};
 
@@ -23,7 +24,7 @@ pub enum Expiry {
     Published,
     /// `no_destination` rows, by `recorded_at`.
     NoDestination,
-    /// `discarded` rows, by `recorded_at`.
+    /// `discarded` rows, by when they were discarded (their `next_attempt_at`).
     Discarded,
 }
 
@@ -125,7 +126,8 @@ impl Store {
         let (table, column, status) = match expiry {
             Expiry::Published => ("outpost_published", "published_at", "TRUE"),
             Expiry::NoDestination => ("outpost_event", "recorded_at", "status = 'no_destination'"),
-            Expiry::Discarded => ("outpost_event", "recorded_at", "status = 'discarded'"),
+            // A discarded row's next_attempt_at is when it was discarded.
+            Expiry::Discarded => ("outpost_event", "next_attempt_at", "status = 'discarded'"),
         };
         let sql = format!(
             "DELETE FROM {table} WHERE id IN ( \

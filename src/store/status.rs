@@ -67,60 +67,76 @@ pub struct Backlog {
 pub async fn backlog(store: &Store) -> Result<Backlog, StoreError> {
     let db = store.connection();
     let by_status = count_by_status(db).await?;
-
-    let partitions = db
-        .query_all_raw(stmt(
-            "SELECT p.partition, coalesce(c.ready, 0), p.owner, p.epoch, p.paused \
-             FROM outpost_partition p \
-             LEFT JOIN (SELECT partition, count(*) AS ready FROM outpost_event \
-                        WHERE status IN ('pending', 'retry_wait') GROUP BY partition) c \
-                    ON c.partition = p.partition \
-             ORDER BY p.partition",
-            [],
-        ))
-        .await
-        .map_err(StoreError::from_db)?
-        .into_iter()
-        .map(|r| {
-            Ok(PartitionBacklog {
-                partition: r.try_get_by_index(0).map_err(StoreError::from_db)?,
-                ready: r.try_get_by_index(1).map_err(StoreError::from_db)?,
-                owner: r.try_get_by_index(2).map_err(StoreError::from_db)?,
-                epoch: r.try_get_by_index(3).map_err(StoreError::from_db)?,
-                paused: r.try_get_by_index(4).map_err(StoreError::from_db)?,
-            })
-        })
-        .collect::<Result<Vec<_>, StoreError>>()?;
-
+    let partitions = store.partitions_status().await?;
     let (_, oldest_pending_age_secs) = oldest_undelivered(db).await?;
-    let nodes = db
-        .query_all_raw(stmt(
-            "SELECT n.node_id, n.hostname, n.pid, n.version, \
-                    extract(epoch FROM now() - n.heartbeat_at)::float8, \
-                    (SELECT count(*) FROM outpost_partition p WHERE p.owner = n.node_id) \
-             FROM outpost_node n ORDER BY n.node_id",
-            [],
-        ))
-        .await
-        .map_err(StoreError::from_db)?
-        .into_iter()
-        .map(|r| {
-            Ok(NodeStatus {
-                node_id: r.try_get_by_index(0).map_err(StoreError::from_db)?,
-                hostname: r.try_get_by_index(1).map_err(StoreError::from_db)?,
-                pid: r.try_get_by_index(2).map_err(StoreError::from_db)?,
-                version: r.try_get_by_index(3).map_err(StoreError::from_db)?,
-                heartbeat_age_secs: r.try_get_by_index(4).map_err(StoreError::from_db)?,
-                leases: r.try_get_by_index(5).map_err(StoreError::from_db)?,
-            })
-        })
-        .collect::<Result<Vec<_>, StoreError>>()?;
+    let nodes = store.nodes_status().await?;
     Ok(Backlog {
         by_status,
         partitions,
         nodes,
         oldest_pending_age_secs,
     })
+}
+
+impl Store {
+    /// Every partition with its rows ready to publish (read through the claim's indexes, so it
+    /// costs what the backlog holds), owner, epoch and pause.
+    pub async fn partitions_status(&self) -> Result<Vec<PartitionBacklog>, StoreError> {
+        self.connection()
+            .query_all_raw(stmt(
+                "SELECT p.partition, coalesce(c.ready, 0), p.owner, p.epoch, p.paused \
+                 FROM outpost_partition p \
+                 LEFT JOIN (SELECT partition, count(*) AS ready FROM outpost_event \
+                            WHERE status IN ('pending', 'retry_wait') GROUP BY partition) c \
+                        ON c.partition = p.partition \
+                 ORDER BY p.partition",
+                [],
+            ))
+            .await
+            .map_err(StoreError::from_db)?
+            .into_iter()
+            .map(|r| {
+                Ok(PartitionBacklog {
+                    partition: r.try_get_by_index(0).map_err(StoreError::from_db)?,
+                    ready: r.try_get_by_index(1).map_err(StoreError::from_db)?,
+                    owner: r.try_get_by_index(2).map_err(StoreError::from_db)?,
+                    epoch: r.try_get_by_index(3).map_err(StoreError::from_db)?,
+                    paused: r.try_get_by_index(4).map_err(StoreError::from_db)?,
+                })
+            })
+            .collect()
+    }
+
+    /// Age in seconds of the oldest undelivered row now (indexes only); `None` when there is none.
+    pub async fn oldest_undelivered_age(&self) -> Result<Option<f64>, StoreError> {
+        Ok(oldest_undelivered(self.connection()).await?.1)
+    }
+
+    /// The registered relay nodes with their heartbeat age and leases.
+    pub async fn nodes_status(&self) -> Result<Vec<NodeStatus>, StoreError> {
+        self.connection()
+            .query_all_raw(stmt(
+                "SELECT n.node_id, n.hostname, n.pid, n.version, \
+                        extract(epoch FROM now() - n.heartbeat_at)::float8, \
+                        (SELECT count(*) FROM outpost_partition p WHERE p.owner = n.node_id) \
+                 FROM outpost_node n ORDER BY n.node_id",
+                [],
+            ))
+            .await
+            .map_err(StoreError::from_db)?
+            .into_iter()
+            .map(|r| {
+                Ok(NodeStatus {
+                    node_id: r.try_get_by_index(0).map_err(StoreError::from_db)?,
+                    hostname: r.try_get_by_index(1).map_err(StoreError::from_db)?,
+                    pid: r.try_get_by_index(2).map_err(StoreError::from_db)?,
+                    version: r.try_get_by_index(3).map_err(StoreError::from_db)?,
+                    heartbeat_age_secs: r.try_get_by_index(4).map_err(StoreError::from_db)?,
+                    leases: r.try_get_by_index(5).map_err(StoreError::from_db)?,
+                })
+            })
+            .collect()
+    }
 }
 
 /// Published rows counted exactly up to this many; above it, the planner's estimate.

@@ -15,6 +15,7 @@ use std::time::Duration;
 use outpost::store::{self, ConnectSettings, Store, admin};
 
 pub mod consumer;
+pub mod http;
 pub mod pg_server;
 pub mod proxy;
 pub mod redis_cluster;
@@ -765,4 +766,21 @@ pub async fn aggregate_in(db: &TestDb, partition: i32, skip: i64) -> String {
     )
     .await;
     format!("o{n}")
+}
+
+/// Puts a key of the wrong type where the stream of aggregate type `kind` goes, so that its
+/// events fail with `WRONGTYPE` until the key is deleted; returns the key.
+pub async fn poison_stream(
+    conn: &mut redis::aio::MultiplexedConnection,
+    redis: &TestRedis,
+    kind: &str,
+) -> String {
+    let key = format!("{}events:{kind}", redis.prefix);
+    let _: () = redis::cmd("SET")
+        .arg(&key)
+        .arg("x")
+        .query_async(conn)
+        .await
+        .expect("SET");
+    key
 }
