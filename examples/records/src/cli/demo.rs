@@ -22,7 +22,7 @@ use anyhow::Context;
 use clap::Args;
 use outpost::config::{Config, LoadOptions};
 use outpost::dispatch::node;
-use outpost::store::{Store, admin};
+use outpost::store::{Actor, Role, Store, admin};
 use sea_orm::{
     AccessMode, ColumnTrait, DatabaseConnection, EntityTrait, IsolationLevel, PaginatorTrait,
     QueryFilter, TransactionTrait,
@@ -182,7 +182,21 @@ async fn scenario(
         );
         nodes.push(handle);
     }
-    println!("  panel     not built in yet (`outpost status` shows the backlog)");
+    if let Some(first) = nodes.first() {
+        // An operator token for this run, so the panel can be opened at once (the demo's
+        // database is its own; the token goes with it).
+        let admin = Actor::new("outpost demo", Role::Admin);
+        let name = format!("demo-{}", chrono::Utc::now().format("%Y%m%d-%H%M%S"));
+        let token = store
+            .create_token(&admin, &name, Role::Operator)
+            .await
+            .context("creating the demo's operator token")?;
+        println!(
+            "  panel     http://{}/panel (log in with the operator token {})",
+            first.admin_addr(),
+            token.token
+        );
+    }
 
     let (stop_consumer, consumer_stopped) = tokio::sync::watch::channel(false);
     let target = ConsumerTarget {
