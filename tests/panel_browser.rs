@@ -168,8 +168,7 @@ async fn wait_for_text(client: &Client, css: &str, needle: &str) -> String {
         }
     })
     .await;
-    let text = seen.lock().unwrap().clone();
-    text
+    seen.lock().unwrap().clone()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
