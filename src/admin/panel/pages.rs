@@ -207,7 +207,9 @@ async fn list(
 fn row(e: &store::EventSummary) -> EventRow {
     let id = e.event_id.to_string();
     EventRow {
-        short_id: id[..8].to_owned(),
+        // The last group of the hyphenated form (36 ASCII characters): random bits, unlike the
+        // first ones, which are the recording time and alike for every event of a minute.
+        short_id: id[24..].to_owned(),
         event_id: id,
         state: e.state.clone(),
         code: e.error_code.clone().unwrap_or_default(),
