@@ -10,20 +10,20 @@
 //!
 //! A **pass** starts at the partition's oldest row and moves the cursor on to the last row of
 //! each claim, claim after claim, as long as claims come back full; a claim that is not full has
-//! reached the newest rows. Until
-//! the budget has room again (the `retry_in` the limiter answered), claims go on reading past the
-//! cursor: rows that arrive meanwhile are published at once. Then one claim reads the oldest rows
-//! again, which takes the permits the budget has for the limited stream, and the pass goes on
-//! from where the cursor was. When the budget has room for all of them, the cursor is dropped.
+//! reached the newest rows. Until the budget has room again (the `retry_in` the limiter
+//! answered), claims go on reading past the cursor: rows that arrive meanwhile are published at
+//! once. Then one claim reads the oldest rows again, which takes the permits the budget has for
+//! the limited stream, and the pass goes on from where the cursor was. When the budget has room
+//! for all of them, the cursor is dropped.
 //!
-//! Rows at or before the cursor that become ready later — an aggregate whose waiting row has
-//! since been published, a transaction that committed late with a smaller id, a row whose
-//! publishing failed for a moment — are read by the
-//! next **full pass**, which starts again from the oldest row and leaves the cursor behind. Full
-//! passes come at least [`RESCAN`] apart, and further apart when one takes long (the waiting
-//! backlog is read again each time), so they cost at most a fifth of the partition's time. Due
-//! retries are read whatever the cursor says (an aggregate's rows after a retry are held, never
-//! pending).
+//! Rows at or before the cursor that become ready later (an aggregate whose waiting row has since
+//! been published, a transaction that committed late with a smaller id) are read by the next
+//! **full pass**, which starts again from the oldest row and leaves the cursor behind. Full passes
+//! come at least [`RESCAN`] apart, and further apart when one takes long (the waiting backlog is
+//! read again each time), so they cost at most a fifth of the partition's time. Due retries are
+//! read whatever the cursor says (an aggregate's rows after a retry are held, never pending). A
+//! batch that fails drops its partition's cursor, so rows whose publishing failed are read again
+//! at once.
 //!
 //! Nothing here is durable: a cursor belongs to one lease epoch of one node, and a lost cursor
 //! costs one pass.
