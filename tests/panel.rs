@@ -7,7 +7,7 @@
 mod support;
 
 use outpost::produce::EventFact;
-use outpost::store::{Actor, AuditQuery, Role};
+use outpost::store::AuditQuery;
 use serde_json::json;
 use support::http::{FORM, call_with, panel_login};
 use support::{Deliveries, TestDb, TestRedis, relay_config, scalar, wait_until};
@@ -26,22 +26,8 @@ async fn an_operator_logs_in_finds_a_dead_letter_and_replays_it_while_forged_pos
     }
     let node = support::start_node(relay_config(&db, &redis, "panel-node")).await;
     let addr = node.admin_addr().to_string();
-    wait_until(60, "the poison event to be quarantined", || async {
-        scalar(
-            &db,
-            "SELECT count(*) FROM outpost_event WHERE status = 'quarantined'",
-        )
-        .await
-            == 1
-    })
-    .await;
-    let root = Actor::new("test-root", Role::Admin);
-    let token = db
-        .store
-        .create_token(&root, "ops-panel", Role::Operator)
-        .await
-        .unwrap()
-        .token;
+    support::wait_quarantined(&db, 1).await;
+    let token = support::operator_token(&db, "ops-panel").await;
 
     // A wrong token does not log in; the right one does.
     let origin = format!("http://{addr}");

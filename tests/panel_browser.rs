@@ -17,9 +17,8 @@ use std::time::Duration;
 
 use fantoccini::{Client, ClientBuilder, Locator};
 use outpost::produce::EventFact;
-use outpost::store::{Actor, Role};
 use serde_json::json;
-use support::{Deliveries, TestDb, TestRedis, relay_config, scalar, wait_until};
+use support::{Deliveries, TestDb, TestRedis, relay_config, wait_until};
 
 const WIDTH: u32 = 1280;
 const HEIGHT: u32 = 800;
@@ -185,22 +184,8 @@ async fn chromium_logs_in_sees_the_backlog_and_replays_a_dead_letter_into_its_st
     }
     let node = support::start_node(relay_config(&db, &redis, "browser-node")).await;
     let base = format!("http://{}", node.admin_addr());
-    wait_until(60, "the first event to be quarantined", || async {
-        scalar(
-            &db,
-            "SELECT count(*) FROM outpost_event WHERE status = 'quarantined'",
-        )
-        .await
-            == 1
-    })
-    .await;
-    let root = Actor::new("test-root", Role::Admin);
-    let token = db
-        .store
-        .create_token(&root, "ops-browser", Role::Operator)
-        .await
-        .unwrap()
-        .token;
+    support::wait_quarantined(&db, 1).await;
+    let token = support::operator_token(&db, "ops-browser").await;
     let client = browser(&driver).await;
 
     // Log in with the token; the overview shows the backlog figure.

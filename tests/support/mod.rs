@@ -784,3 +784,26 @@ pub async fn poison_stream(
         .expect("SET");
     key
 }
+
+/// Waits until `n` events of the test's outbox are quarantined.
+pub async fn wait_quarantined(db: &TestDb, n: i64) {
+    wait_until(60, "events to be quarantined", || async {
+        scalar(
+            db,
+            "SELECT count(*) FROM outpost_event WHERE status = 'quarantined'",
+        )
+        .await
+            == n
+    })
+    .await;
+}
+
+/// A new API token named `name` with the operator role.
+pub async fn operator_token(db: &TestDb, name: &str) -> String {
+    let root = outpost::store::Actor::new("test-root", outpost::store::Role::Admin);
+    db.store
+        .create_token(&root, name, outpost::store::Role::Operator)
+        .await
+        .unwrap()
+        .token
+}
