@@ -70,3 +70,50 @@ async fn one_node_counts_per_period_and_the_others_read_its_figures() {
         "one row for the cluster"
     );
 }
+
+/// The operator's overview (the panel's first page, `GET /api/v1/status`) reads the stored
+/// figures, saying how old they are, and never counts or probes the outbox itself: polling it
+/// must cost a draining node nothing.
+#[tokio::test]
+async fn the_overview_reads_the_stored_figures_and_says_when_they_were_counted() {
+    let db = TestDb::new().await;
+    commit(&db, 3).await;
+
+    // Before any node has counted, the overview says so rather than showing zeros as counted.
+    let before = db.store.overview().await.unwrap();
+    assert_eq!(before.backlog.counted_secs_ago, None);
+    assert_eq!(before.backlog.oldest_pending_age_secs, None);
+    assert!(before.backlog.by_status.is_empty(), "{before:?}");
+    assert!(!before.backlog.counted);
+
+    // A node counts; the overview shows that count, and its age.
+    let counted = db.store.shared_backlog(Duration::ZERO, true).await.unwrap();
+    assert!(counted.counted);
+    commit(&db, 4).await;
+    let after = db.store.overview().await.unwrap();
+    assert_eq!(
+        rows(&after.backlog, "pending"),
+        3,
+        "the stored count, not a new one"
+    );
+    assert!(!after.backlog.counted);
+    assert!(
+        after
+            .backlog
+            .counted_secs_ago
+            .is_some_and(|s| (0.0..60.0).contains(&s)),
+        "{after:?}"
+    );
+    assert!(after.backlog.oldest_pending_age_secs >= counted.oldest_pending_age_secs);
+    assert!(after.nodes.is_empty() && after.quarantined_by_code.is_empty());
+    assert_eq!(after.publish_rate, 0.0);
+    assert_eq!(
+        scalar(
+            &db,
+            "SELECT (by_status->>'pending')::int8 FROM outpost_backlog"
+        )
+        .await,
+        3,
+        "reading the overview stored nothing"
+    );
+}

@@ -52,28 +52,27 @@ fn ok(v: serde_json::Value) -> HttpResponse {
     HttpResponse::Ok().json(v)
 }
 
-/// Rows by state (as the nodes last counted them, every 15 s: a poll never scans the outbox),
-/// quarantined events by code and the oldest undelivered age (both read now).
+/// Rows by state and the oldest undelivered age (as the nodes last counted them, every 15 s: a
+/// poll never scans the outbox nor walks the head of its ready index), quarantined events by
+/// code and the publish rate (both read now).
 #[utoipa::path(get, path = "/api/v1/status", responses(
     (status = 200, description = "Backlog figures", body = Object)))]
 pub async fn status(state: State) -> Result<HttpResponse, ApiError> {
-    let figures = state
-        .store
-        .shared_backlog(crate::dispatch::supervisor::BACKLOG_EVERY, false)
-        .await?;
-    let dead = state.store.quarantined_by_code().await?;
+    let o = state.store.overview().await?;
     Ok(ok(json!({
-        "by_state": figures.by_status.iter()
+        "by_state": o.backlog.by_status.iter()
             .map(|s| (s.status.clone(), json!(s.rows)))
             .collect::<serde_json::Map<_, _>>(),
         "by_state_counted_every_secs": crate::dispatch::supervisor::BACKLOG_EVERY.as_secs(),
-        "published_estimated": figures.by_status.iter()
+        "counted_secs_ago": o.backlog.counted_secs_ago,
+        "published_estimated": o.backlog.by_status.iter()
             .any(|s| s.status == "published" && s.rows >= store::PUBLISHED_COUNTED_UP_TO),
-        "quarantined_by_code": dead.iter()
+        "quarantined_by_code": o.quarantined_by_code.iter()
             .map(|(c, n)| (c.clone(), json!(n)))
             .collect::<serde_json::Map<_, _>>(),
-        "oldest_pending_age_secs": state.store.oldest_undelivered_age().await?,
-        "nodes": state.store.nodes_status().await?.len(),
+        "oldest_pending_age_secs": o.backlog.oldest_pending_age_secs,
+        "publish_rate_per_sec": o.publish_rate,
+        "nodes": o.nodes.len(),
     })))
 }
 

@@ -18,6 +18,7 @@ use clap::{Args, ValueEnum};
 use redis::aio::MultiplexedConnection;
 
 use super::bench_latency::{self, Arrivals, Percentiles};
+use super::bench_poll::{self, OverviewPoller};
 use super::scratch::Scratch;
 use crate::config::{Config, Secret};
 use crate::dispatch::node::{self, NodeHandle};
@@ -152,6 +153,38 @@ pub struct RelayBench {
     /// Run one part only (default: all, in order).
     #[arg(long, value_enum)]
     only: Option<Part>,
+    /// Read the operator's overview (what the panel's overview page and `GET /api/v1/status`
+    /// read) while the drain and steady parts run: never, always, or `alternate`: each drain
+    /// and each steady rate runs twice, alone and polled (the order swapped every round), and
+    /// the ratios are printed.
+    #[arg(long, value_enum, default_value_t = OverviewPoll::Off)]
+    overview: OverviewPoll,
+    /// How often the overview is read, in milliseconds.
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(10..))]
+    overview_every_ms: u64,
+}
+
+/// Whether an operator polls the overview during the drain and steady parts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum OverviewPoll {
+    /// Nobody reads it.
+    Off,
+    /// Read every `--overview-every-ms`.
+    On,
+    /// Each run twice, alone and polled.
+    Alternate,
+}
+
+impl RelayBench {
+    /// The runs of round `round` (0-based): `false` alone, `true` polled.
+    fn poll_runs(&self, round: usize) -> Vec<bool> {
+        match self.overview {
+            OverviewPoll::Off => vec![false],
+            OverviewPoll::On => vec![true],
+            OverviewPoll::Alternate if round.is_multiple_of(2) => vec![false, true],
+            OverviewPoll::Alternate => vec![true, false],
+        }
+    }
 }
 
 /// What every part needs.
@@ -196,9 +229,20 @@ impl Bench<'_> {
         let wants = |p: Part| self.args.only.is_none_or(|o| o == p);
         let mut drained = None;
         if wants(Part::Drain) {
-            for &n in &self.args.nodes {
-                let rate = self.drain(n).await?;
-                drained = drained.or(Some(rate));
+            let mut pairs = Vec::new();
+            for (round, &n) in self.args.nodes.iter().enumerate() {
+                let mut pair = [None, None];
+                for polled in self.args.poll_runs(round) {
+                    let rate = self.drain(n, polled).await?;
+                    if !polled {
+                        drained = drained.or(Some(rate));
+                    }
+                    pair[usize::from(polled)] = Some(rate);
+                }
+                pairs.push((n, pair));
+            }
+            if self.args.overview == OverviewPoll::Alternate {
+                print_poll_ratios("drain", "events/s", &pairs);
             }
         }
         if wants(Part::Baseline) {
@@ -250,14 +294,16 @@ impl Bench<'_> {
     // ---------------------------------------------------------------------------------------
     // Part 1: drain
 
-    async fn drain(&self, nodes: u32) -> anyhow::Result<f64> {
+    async fn drain(&self, nodes: u32, polled: bool) -> anyhow::Result<f64> {
         let args = self.args;
         println!();
         println!(
-            "== drain: {nodes} node{} publish{} a preloaded backlog (relay.delete_published = {})",
+            "== drain: {nodes} node{} publish{} a preloaded backlog (relay.delete_published = \
+             {}){}",
             if nodes == 1 { "" } else { "s" },
             if nodes == 1 { "es" } else { "" },
-            args.delete_published
+            args.delete_published,
+            self.polled_label(polled)
         );
         self.preload().await?;
         let hwm_before = proc_status_kib("VmHWM");
@@ -282,6 +328,7 @@ impl Bench<'_> {
                 }
             }
         }
+        let poller = polled.then(|| self.poller());
         let measured = async {
             let mut owned_after = None;
             let pattern = format!("{}*", self.prefix);
@@ -328,10 +375,17 @@ impl Bench<'_> {
             Ok::<_, anyhow::Error>((elapsed, owned_after, after))
         }
         .await;
+        let polls = match poller {
+            Some(p) => Some(p.finish().await),
+            None => None,
+        };
         for n in running {
             n.shutdown().await;
         }
         let (elapsed, owned_after, after) = measured?;
+        if let Some(polls) = polls {
+            println!("overview        {}", bench_poll::describe(&polls?));
+        }
         let hwm_after = proc_status_kib("VmHWM");
         let rss_after = proc_status_kib("VmRSS");
 
@@ -542,10 +596,43 @@ impl Bench<'_> {
             "pg%",
             "redis%"
         );
-        for &rate in &args.rates {
+        let mut achieved = Vec::new();
+        let mut p99s = Vec::new();
+        for (round, &rate) in args.rates.iter().enumerate() {
             let Some(nz) = NonZeroU32::new(rate) else {
                 continue;
             };
+            let (mut a, mut p) = ([None, None], [None, None]);
+            for polled in args.poll_runs(round) {
+                let (events_per_sec, p99) = self.steady_run(table, nz, polled).await?;
+                a[usize::from(polled)] = Some(events_per_sec);
+                p[usize::from(polled)] = p99;
+            }
+            achieved.push((rate, a));
+            p99s.push((rate, p));
+        }
+        println!(
+            "(proc% = this process: the node and the producers; CPU over the load and until the \
+             last event was published)"
+        );
+        if args.overview == OverviewPoll::Alternate {
+            print_poll_ratios("steady, achieved", "events/s", &achieved);
+            print_poll_ratios("steady, commit->stream p99", "ms", &p99s);
+        }
+        Ok(())
+    }
+
+    /// One steady run at `nz` events/s offered; returns the achieved events/s and the
+    /// commit->stream p99 in ms.
+    async fn steady_run(
+        &self,
+        table: BareTable,
+        nz: NonZeroU32,
+        polled: bool,
+    ) -> anyhow::Result<(f64, Option<f64>)> {
+        let args = self.args;
+        let rate = nz.get();
+        {
             self.store.truncate_outbox().await?;
             if table == BareTable::Plain {
                 self.store.create_plain_table().await?;
@@ -603,6 +690,7 @@ impl Bench<'_> {
                     tokio::time::sleep(self.config.relay.idle_after() + Duration::from_millis(500))
                         .await;
                 }
+                let poller = polled.then(|| self.poller());
                 let before = self.snapshot().await;
                 let phases_before = Phases::read();
                 let arrivals = Arrivals::new(spec.count);
@@ -629,6 +717,9 @@ impl Bench<'_> {
                 };
                 stop.store(true, Ordering::Relaxed);
                 watcher.await.context("the stream reader failed")??;
+                if let Some(p) = poller {
+                    println!("   overview: {}", bench_poll::describe(&p.finish().await?));
+                }
                 Ok::<_, anyhow::Error>((
                     report,
                     before.diff(&after, self.clk_tck),
@@ -669,12 +760,8 @@ impl Bench<'_> {
                 );
             }
             delete_prefix_keys(&mut self.rconn.clone(), &self.prefix).await?;
+            Ok((report.events_per_sec(), seen.p99))
         }
-        println!(
-            "(proc% = this process: the node and the producers; CPU over the load and until the \
-             last event was published)"
-        );
-        Ok(())
     }
 
     // ---------------------------------------------------------------------------------------
@@ -795,6 +882,26 @@ impl Bench<'_> {
             max_payload_bytes: self.config.producer.max_payload_bytes,
             max_header_bytes: self.config.producer.max_header_bytes,
         })
+    }
+
+    /// An operator reading the overview every `--overview-every-ms`.
+    fn poller(&self) -> OverviewPoller {
+        OverviewPoller::start(
+            self.store.clone(),
+            Duration::from_millis(self.args.overview_every_ms),
+        )
+    }
+
+    /// What a run's heading says about the overview poll.
+    fn polled_label(&self, polled: bool) -> String {
+        if polled {
+            format!(
+                ", the overview read every {} ms",
+                self.args.overview_every_ms
+            )
+        } else {
+            String::new()
+        }
     }
 
     /// Starts a node on the scratch database, under the benchmark's Redis prefix.
@@ -1123,6 +1230,51 @@ fn print_timeline(seconds: &[Percentiles]) {
             ms(p.max)
         );
     }
+}
+
+/// Each round's figure alone and with the overview polled, their ratio, and the medians.
+fn print_poll_ratios(what: &str, unit: &str, rounds: &[(u32, [Option<f64>; 2])]) {
+    println!();
+    println!("== {what} ({unit}), alone and with the overview polled");
+    println!(
+        "{:>6} {:>8} {:>12} {:>12} {:>7}",
+        "round", "run", "alone", "polled", "ratio"
+    );
+    let (mut alone, mut polled, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    for (i, (run, [a, p])) in rounds.iter().enumerate() {
+        let ratio = a.zip(*p).map(|(a, p)| p / a.max(1e-9));
+        alone.extend(*a);
+        polled.extend(*p);
+        ratios.extend(ratio);
+        let f = |v: Option<f64>| v.map_or("-".to_owned(), |v| format!("{v:.1}"));
+        println!(
+            "{:>6} {:>8} {:>12} {:>12} {:>7}",
+            i + 1,
+            run,
+            f(*a),
+            f(*p),
+            ratio.map_or("-".to_owned(), |r| format!("{r:.3}"))
+        );
+    }
+    let f = |v: Option<f64>, digits: usize| v.map_or("-".to_owned(), |v| format!("{v:.digits$}"));
+    let spread = |v: &[f64]| {
+        let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
+        let hi = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        if v.is_empty() {
+            "-".to_owned()
+        } else {
+            format!("{lo:.3}-{hi:.3}")
+        }
+    };
+    println!(
+        "{:>6} {:>8} {:>12} {:>12} {:>7}   (ratios {})",
+        "median",
+        "",
+        f(bench_poll::median(&alone), 1),
+        f(bench_poll::median(&polled), 1),
+        f(bench_poll::median(&ratios), 3),
+        spread(&ratios)
+    );
 }
 
 fn print_steady_row(

@@ -7,6 +7,7 @@ mod bench;
 mod bench_admin;
 mod bench_consumer;
 mod bench_latency;
+mod bench_poll;
 mod bench_rate;
 mod bench_relay;
 mod bench_retention;

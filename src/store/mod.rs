@@ -44,8 +44,8 @@ pub use operator::tokens::{NewToken, TokenInfo};
 pub use positions::{LostStream, PartitionRecovery, StreamMark};
 pub use retention::{Expiry, JANITOR_LOCK, RedisRecord, StorageFigures, StreamRecord};
 pub use status::{
-    Backlog, BacklogFigures, NodeStatus, PUBLISHED_COUNTED_UP_TO, PartitionBacklog, StatusCount,
-    backlog,
+    Backlog, BacklogFigures, NodeStatus, Overview, PUBLISHED_COUNTED_UP_TO, PartitionBacklog,
+    StatusCount, backlog,
 };
 
 /// How a pool is opened: the URL and the knobs an operator may tune.

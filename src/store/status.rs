@@ -107,11 +107,6 @@ impl Store {
             .collect()
     }
 
-    /// Age in seconds of the oldest undelivered row now (indexes only); `None` when there is none.
-    pub async fn oldest_undelivered_age(&self) -> Result<Option<f64>, StoreError> {
-        Ok(oldest_undelivered(self.connection()).await?.1)
-    }
-
     /// The registered relay nodes with their heartbeat age and leases.
     pub async fn nodes_status(&self) -> Result<Vec<NodeStatus>, StoreError> {
         self.connection()
@@ -205,10 +200,30 @@ async fn oldest_undelivered(
 pub struct BacklogFigures {
     /// Rows by state (states with no rows are left out).
     pub by_status: Vec<StatusCount>,
-    /// Age in seconds of the oldest undelivered row, by the database clock.
+    /// Age now, in seconds by the database clock, of the oldest row that was undelivered when
+    /// the figures were counted: while that row waits, the oldest undelivered age; once it has
+    /// gone out, more than that until the next count (the figures are at most one counting
+    /// period old).
     pub oldest_pending_age_secs: Option<f64>,
+    /// Seconds since the figures were counted; `None` before the first count.
+    pub counted_secs_ago: Option<f64>,
     /// This call counted them (rather than reading another node's count).
     pub counted: bool,
+}
+
+/// What an operator's overview shows: the stored backlog figures, the nodes, quarantined events
+/// by code and the publish rate. Read without scanning the outbox or walking the head of its
+/// ready index, so polling it costs a draining node next to nothing.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Overview {
+    /// Rows by state and the oldest undelivered age, as the nodes last counted them.
+    pub backlog: BacklogFigures,
+    /// Registered relay nodes.
+    pub nodes: Vec<NodeStatus>,
+    /// Quarantined events by failure code, most first.
+    pub quarantined_by_code: Vec<(String, i64)>,
+    /// Events published per second over the last minute.
+    pub publish_rate: f64,
 }
 
 impl Store {
@@ -248,12 +263,22 @@ impl Store {
             return Ok(BacklogFigures {
                 by_status,
                 oldest_pending_age_secs,
+                counted_secs_ago: Some(0.0),
                 counted: true,
             });
         }
+        self.stored_backlog().await
+    }
+
+    /// The backlog figures as the nodes last stored them ([`Store::shared_backlog`]), with the
+    /// oldest undelivered age computed now. One read of a one-row table.
+    pub async fn stored_backlog(&self) -> Result<BacklogFigures, StoreError> {
+        let db = self.connection();
         let row = db
             .query_one_raw(stmt(
-                "SELECT by_status, extract(epoch FROM now() - oldest_at)::float8 \
+                "SELECT by_status, extract(epoch FROM now() - oldest_at)::float8, \
+                        CASE WHEN isfinite(counted_at) \
+                             THEN extract(epoch FROM now() - counted_at)::float8 END \
                  FROM outpost_backlog",
                 [],
             ))
@@ -276,7 +301,25 @@ impl Store {
         Ok(BacklogFigures {
             by_status,
             oldest_pending_age_secs: row.try_get_by_index(1).map_err(StoreError::from_db)?,
+            counted_secs_ago: row.try_get_by_index(2).map_err(StoreError::from_db)?,
             counted: false,
+        })
+    }
+
+    /// What the operator's overview shows ([`Overview`]): four small reads, made at once on
+    /// the pool.
+    pub async fn overview(&self) -> Result<Overview, StoreError> {
+        let (backlog, nodes, quarantined_by_code, publish_rate) = futures::try_join!(
+            self.stored_backlog(),
+            self.nodes_status(),
+            self.quarantined_by_code(),
+            self.publish_rate()
+        )?;
+        Ok(Overview {
+            backlog,
+            nodes,
+            quarantined_by_code,
+            publish_rate,
         })
     }
 }

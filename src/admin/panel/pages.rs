@@ -11,13 +11,12 @@ type User = web::ReqData<PanelUser>;
 
 /// `GET /panel`: backlog, oldest undelivered age, quarantined by code, nodes.
 pub async fn overview(state: State, user: User) -> Result<HttpResponse, PanelError> {
-    let figures = state
-        .store
-        .shared_backlog(crate::dispatch::supervisor::BACKLOG_EVERY, false)
-        .await?;
-    let oldest = state.store.oldest_undelivered_age().await?;
-    let nodes = state.store.nodes_status().await?;
-    let codes = state.store.quarantined_by_code().await?;
+    let store::Overview {
+        backlog: figures,
+        nodes,
+        quarantined_by_code: codes,
+        publish_rate: rate,
+    } = state.store.overview().await?;
     let rows = |s: &str| {
         figures
             .by_status
@@ -25,11 +24,16 @@ pub async fn overview(state: State, user: User) -> Result<HttpResponse, PanelErr
             .find(|c| c.status == s)
             .map_or(0, |c| c.rows)
     };
-    let rate = state.store.publish_rate().await?;
     let page = views::Overview {
         who: user.who(),
         csrf: user.session.csrf.clone(),
-        oldest: oldest.map_or_else(|| "none".to_owned(), |s| format!("{s:.1} s")),
+        oldest: figures
+            .oldest_pending_age_secs
+            .map_or_else(|| "none".to_owned(), |s| format!("{s:.1} s")),
+        counted: figures.counted_secs_ago.map_or_else(
+            || "not counted yet: a node counts once it has worked".to_owned(),
+            |s| format!("counted {s:.0} s ago"),
+        ),
         backlog: rows("pending") + rows("retry_wait") + rows("held"),
         quarantined: codes.iter().map(|(_, n)| n).sum(),
         publish_rate: format!("{rate:.0}/s"),

@@ -46,6 +46,8 @@ pub struct Overview {
     pub who: String,
     pub csrf: String,
     pub oldest: String,
+    /// When the nodes last counted the backlog.
+    pub counted: String,
     pub backlog: i64,
     pub quarantined: i64,
     pub publish_rate: String,
