@@ -11,7 +11,7 @@ use outpost::consume::{Consumer, StartFrom};
 use sea_orm::ConnectionTrait;
 use support::consumer::{
     Ev, Running, append, append_foreign, applied, check, create_effects, pending, recorder,
-    settings,
+    settings, tail,
 };
 use support::{TestDb, TestRedis, wait_until};
 
@@ -376,27 +376,6 @@ async fn entries_trimmed_before_the_group_read_them_are_reported_as_lost() {
     let want: BTreeMap<String, Vec<i64>> = (31..=50).map(|i| (format!("a{i}"), vec![1])).collect();
     assert!(check(&db, &want).await.is_clean());
     assert_eq!(pending(&mut conn, &stream, "audit").await, 0);
-}
-
-/// Runs `outpost tail` with the test's Redis and key prefix; returns its stdout.
-fn tail(redis: &TestRedis, args: &[&str]) -> String {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_outpost"))
-        .arg("--set")
-        .arg(format!("redis.url={}", support::redis_url()))
-        .arg("--set")
-        .arg(format!("redis.key_prefix={}", redis.prefix))
-        .arg("tail")
-        .args(args)
-        .current_dir(std::env::temp_dir())
-        .env_remove("OUTPOST_DATABASE__URL")
-        .output()
-        .expect("run outpost tail");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).expect("utf-8")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
