@@ -8,10 +8,9 @@ mod support;
 use std::collections::BTreeMap;
 
 use outpost::consume::{Consumer, StartFrom};
-use sea_orm::ConnectionTrait;
 use support::consumer::{
-    Ev, Running, append, append_foreign, applied, check, create_effects, pending, recorder,
-    settings, tail,
+    Ev, Running, append, append_foreign, applied, check, create_effects, effects, pending,
+    recorder, settings, tail,
 };
 use support::{TestDb, TestRedis, wait_until};
 
@@ -273,24 +272,7 @@ async fn new_events_reusing_sequences_after_a_producer_restore_are_applied_in_or
         "the two copies of old events were skipped"
     );
 
-    let rows = db
-        .store
-        .connection()
-        .query_all_raw(sea_orm::Statement::from_string(
-            sea_orm::DbBackend::Postgres,
-            "SELECT seq, event_id FROM consumer_effect ORDER BY id",
-        ))
-        .await
-        .unwrap();
-    let got: Vec<(i64, uuid::Uuid)> = rows
-        .iter()
-        .map(|r| {
-            (
-                r.try_get_by_index(0).unwrap(),
-                r.try_get_by_index(1).unwrap(),
-            )
-        })
-        .collect();
+    let got = effects(&db).await;
     let want: Vec<(i64, uuid::Uuid)> = before
         .iter()
         .chain(&after)

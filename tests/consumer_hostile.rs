@@ -14,8 +14,8 @@ use std::collections::BTreeMap;
 use outpost::publish::companion_key;
 use sea_orm::ConnectionTrait;
 use support::consumer::{
-    Ev, Running, append, append_foreign, append_raw, check, create_effects, entries_raw, field_of,
-    pending, recorder, settings, tail, wait_applied_and_acknowledged,
+    Ev, Running, append, append_foreign, append_raw, check, create_effects, effects, entries_raw,
+    field_of, pending, recorder, settings, tail, wait_applied_and_acknowledged,
 };
 use support::{TestDb, TestRedis, scalar, wait_until};
 
@@ -366,4 +366,47 @@ async fn tail_prints_hostile_entries_escaped() {
         lines[0]["aggregate_id"], id,
         "the exact value, JSON-escaped"
     );
+}
+
+/// Monotonic order applies any sequence above the position, so a forged sequence far ahead
+/// used to be applied and set the position. Now it is dead-lettered and the position stays. A
+/// forged event within `max_seq_ahead` is applied (nothing tells it apart), and the real event
+/// at its sequence is still applied after it: the documented, bounded effect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn in_monotonic_order_a_forged_far_sequence_is_dead_lettered_and_the_position_stays() {
+    let (db, redis, stream, mut conn) = setup().await;
+    let dead = format!("{stream}:dead");
+    let real: Vec<Ev> = (1..=4).map(|s| ev("m", s)).collect();
+    let (far, near) = (ev("m", 1_000_000_000_000), ev("m", 3));
+    append(
+        &mut conn,
+        &stream,
+        &[
+            real[0].clone(),
+            real[1].clone(),
+            far,
+            near.clone(),
+            real[2].clone(),
+            real[3].clone(),
+        ],
+    )
+    .await;
+    let mut s = settings(&redis, &stream, "mono", "m1");
+    s.order = outpost::consume::OrderMode::Monotonic;
+    let running = Running::start(s, &db, recorder("m1")).await;
+    wait_until(30, "the far sequence dead-lettered", || async {
+        dead_count(&redis, &dead).await == 1
+    })
+    .await;
+    wait_applied_and_acknowledged(&db, &redis, &stream, "mono", 5).await;
+    let stats = running.stop().await;
+    assert_eq!((stats.processed, stats.dead_lettered), (5, 1), "{stats:?}");
+    let got = effects(&db).await;
+    let want: Vec<(i64, uuid::Uuid)> = [&real[0], &real[1], &near, &real[2], &real[3]]
+        .iter()
+        .map(|e| (e.seq, e.event_id))
+        .collect();
+    assert_eq!(got, want);
+    assert_eq!(last_seq(&db, "mono", "m").await, 4);
+    assert_reason(&dead_reasons(&redis, &dead).await, "max_seq_ahead", 1);
 }

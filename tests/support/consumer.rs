@@ -312,6 +312,26 @@ pub async fn check(db: &TestDb, expected: &BTreeMap<String, Vec<i64>>) -> Check 
     out
 }
 
+/// Every effect recorded, in the order applied: `(sequence, event id)`.
+pub async fn effects(db: &TestDb) -> Vec<(i64, uuid::Uuid)> {
+    db.store
+        .connection()
+        .query_all_raw(Statement::from_string(
+            DbBackend::Postgres,
+            "SELECT seq, event_id FROM consumer_effect ORDER BY id",
+        ))
+        .await
+        .expect("read effects")
+        .iter()
+        .map(|r| {
+            (
+                r.try_get_by_index(0).expect("seq"),
+                r.try_get_by_index(1).expect("event_id"),
+            )
+        })
+        .collect()
+}
+
 /// Number of effects recorded so far.
 pub async fn applied(db: &TestDb) -> i64 {
     super::scalar(db, "SELECT count(*) FROM consumer_effect").await
