@@ -371,7 +371,8 @@ async fn tail_prints_hostile_entries_escaped() {
 /// Monotonic order applies any sequence above the position, so a forged sequence far ahead
 /// used to be applied and set the position. Now it is dead-lettered and the position stays. A
 /// forged event within `max_seq_ahead` is applied (nothing tells it apart), and the real event
-/// at its sequence is still applied after it: the documented, bounded effect.
+/// at its sequence is still applied after it: the documented, bounded effect. The first event
+/// of an aggregate the group has not seen is not bounded.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn in_monotonic_order_a_forged_far_sequence_is_dead_lettered_and_the_position_stays() {
     let (db, redis, stream, mut conn) = setup().await;
@@ -391,6 +392,10 @@ async fn in_monotonic_order_a_forged_far_sequence_is_dead_lettered_and_the_posit
         ],
     )
     .await;
+    // An aggregate the group first meets far into its history (a group started late): not
+    // bounded.
+    let late = [ev("n", 5_000_000), ev("n", 5_000_001)];
+    append(&mut conn, &stream, &late).await;
     let mut s = settings(&redis, &stream, "mono", "m1");
     s.order = outpost::consume::OrderMode::Monotonic;
     let running = Running::start(s, &db, recorder("m1")).await;
@@ -398,10 +403,16 @@ async fn in_monotonic_order_a_forged_far_sequence_is_dead_lettered_and_the_posit
         dead_count(&redis, &dead).await == 1
     })
     .await;
-    wait_applied_and_acknowledged(&db, &redis, &stream, "mono", 5).await;
+    wait_applied_and_acknowledged(&db, &redis, &stream, "mono", 7).await;
     let stats = running.stop().await;
-    assert_eq!((stats.processed, stats.dead_lettered), (5, 1), "{stats:?}");
-    let got = effects(&db).await;
+    assert_eq!((stats.processed, stats.dead_lettered), (7, 1), "{stats:?}");
+    let late_ids: Vec<uuid::Uuid> = late.iter().map(|e| e.event_id).collect();
+    let (late_got, got): (Vec<_>, Vec<_>) = effects(&db)
+        .await
+        .into_iter()
+        .partition(|(_, id)| late_ids.contains(id));
+    assert_eq!(late_got.len(), 2);
+    assert_eq!(last_seq(&db, "mono", "n").await, 5_000_001);
     let want: Vec<(i64, uuid::Uuid)> = [&real[0], &real[1], &near, &real[2], &real[3]]
         .iter()
         .map(|e| (e.seq, e.event_id))

@@ -88,7 +88,10 @@ impl<H: Handler> Applier<H> {
             );
         } else {
             let ahead = d.aggregate_seq.saturating_sub(pos.last_seq);
-            if ahead > self.max_seq_ahead {
+            // In monotonic order, the first event of an aggregate the group has not seen may
+            // be anywhere in its history (a group started at the end of the stream): no bound.
+            let first_sight = self.order == OrderMode::Monotonic && pos.last_seq == 0;
+            if ahead > self.max_seq_ahead && !first_sight {
                 // No producer jumps this far: a forged or corrupt entry. Applying it would move
                 // the position (monotonic order) or hold it in memory for a gap that never
                 // fills (strict order); it goes to the dead-letter stream, the position stays.

@@ -22,7 +22,15 @@
 //! the entry `max_deliveries` times (or at once, for a permanent failure); then the entry goes to
 //! the dead-letter stream with the error and its original fields, the aggregate moves on, and
 //! the entry is acknowledged. Entries that leave the stream (trimming) before the group
-//! processed them are counted as lost, never as success. `docs/consumers.md` is the guide.
+//! processed them are counted as lost, never as success.
+//!
+//! Anyone who can `XADD` to the stream can write any entry, so nothing about one is trusted:
+//! fields are read as bytes; an entry whose identity does not decode, or whose sequence is more
+//! than `max_seq_ahead` past the group's position, goes to the dead-letter stream without moving
+//! the position; one whose identity is sound but whose rest is not goes there in its
+//! aggregate's order, and the aggregate moves past it. No entry fails a read, a claim or a
+//! round. The inbox is keyed by aggregate as well as event id, so an id reused by another
+//! aggregate is not a duplicate. `docs/consumers.md` is the guide.
 
 mod apply;
 mod delivery;
@@ -110,7 +118,8 @@ pub struct ConsumerSettings {
     pub order: OrderMode,
     /// How far past the group's position in its aggregate an event's sequence may be (≥ 1). An
     /// event further ahead is taken for forged or corrupt: it goes to the dead-letter stream at
-    /// once and the position does not move.
+    /// once and the position does not move. (In monotonic order the first event the group sees
+    /// of an aggregate is not bounded: it may be anywhere in the aggregate's history.)
     pub max_seq_ahead: i64,
     /// How often an event held ahead of a gap is claimed again by its member, so that no other
     /// member reclaims it (a delivery is counted once per `claim_idle` of holding; held for
