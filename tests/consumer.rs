@@ -8,10 +8,9 @@ mod support;
 use std::collections::BTreeMap;
 
 use outpost::consume::{Consumer, StartFrom};
-use sea_orm::ConnectionTrait;
 use support::consumer::{
-    Ev, Running, append, append_foreign, applied, check, create_effects, pending, recorder,
-    settings,
+    Ev, Running, append, append_foreign, applied, check, create_effects, effects, pending,
+    recorder, settings, tail,
 };
 use support::{TestDb, TestRedis, wait_until};
 
@@ -273,24 +272,7 @@ async fn new_events_reusing_sequences_after_a_producer_restore_are_applied_in_or
         "the two copies of old events were skipped"
     );
 
-    let rows = db
-        .store
-        .connection()
-        .query_all_raw(sea_orm::Statement::from_string(
-            sea_orm::DbBackend::Postgres,
-            "SELECT seq, event_id FROM consumer_effect ORDER BY id",
-        ))
-        .await
-        .unwrap();
-    let got: Vec<(i64, uuid::Uuid)> = rows
-        .iter()
-        .map(|r| {
-            (
-                r.try_get_by_index(0).unwrap(),
-                r.try_get_by_index(1).unwrap(),
-            )
-        })
-        .collect();
+    let got = effects(&db).await;
     let want: Vec<(i64, uuid::Uuid)> = before
         .iter()
         .chain(&after)
@@ -376,27 +358,6 @@ async fn entries_trimmed_before_the_group_read_them_are_reported_as_lost() {
     let want: BTreeMap<String, Vec<i64>> = (31..=50).map(|i| (format!("a{i}"), vec![1])).collect();
     assert!(check(&db, &want).await.is_clean());
     assert_eq!(pending(&mut conn, &stream, "audit").await, 0);
-}
-
-/// Runs `outpost tail` with the test's Redis and key prefix; returns its stdout.
-fn tail(redis: &TestRedis, args: &[&str]) -> String {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_outpost"))
-        .arg("--set")
-        .arg(format!("redis.url={}", support::redis_url()))
-        .arg("--set")
-        .arg(format!("redis.key_prefix={}", redis.prefix))
-        .arg("tail")
-        .args(args)
-        .current_dir(std::env::temp_dir())
-        .env_remove("OUTPOST_DATABASE__URL")
-        .output()
-        .expect("run outpost tail");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).expect("utf-8")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

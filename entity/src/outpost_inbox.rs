@@ -1,4 +1,4 @@
-//! `outpost_inbox`: event ids a consumer group has processed.
+//! `outpost_inbox`: event ids a consumer group has processed, per aggregate.
 
 use sea_orm::entity::prelude::*;
 use serde::{Deserialize, Serialize};
@@ -10,6 +10,11 @@ pub struct Model {
     pub consumer_group: String,
     #[sea_orm(primary_key, auto_increment = false)]
     pub event_id: Uuid,
+    /// Empty in rows recorded before the inbox knew aggregates.
+    #[sea_orm(primary_key, auto_increment = false)]
+    pub aggregate_type: String,
+    #[sea_orm(primary_key, auto_increment = false)]
+    pub aggregate_id: String,
     pub processed_at: DateTimeWithTimeZone,
 }
 

@@ -57,6 +57,7 @@ pub(crate) struct Applier<H> {
     pub group: String,
     pub order: OrderMode,
     pub max_deliveries: u32,
+    pub max_seq_ahead: i64,
     #[cfg(feature = "failpoints")]
     pub ack_before_commit: bool,
 }
@@ -86,7 +87,27 @@ impl<H: Handler> Applier<H> {
                  was rewound); applying it and moving the group's position back to it"
             );
         } else {
-            let expected = pos.last_seq + 1;
+            let ahead = d.aggregate_seq.saturating_sub(pos.last_seq);
+            // In monotonic order, the first event of an aggregate the group has not seen may
+            // be anywhere in its history (a group started at the end of the stream): no bound.
+            let first_sight = self.order == OrderMode::Monotonic && pos.last_seq == 0;
+            if ahead > self.max_seq_ahead && !first_sight {
+                // No producer jumps this far: a forged or corrupt entry. Applying it would move
+                // the position (monotonic order) or hold it in memory for a gap that never
+                // fills (strict order); it goes to the dead-letter stream, the position stays.
+                let _ = txn.rollback().await;
+                let reason = format!(
+                    "sequence {} of {} {} is {ahead} past the group's position {}; at most \
+                     {} ahead is accepted (max_seq_ahead): a forged or corrupt entry",
+                    d.aggregate_seq,
+                    d.aggregate_type,
+                    d.aggregate_id,
+                    pos.last_seq,
+                    self.max_seq_ahead
+                );
+                return self.dead_letter(d, &reason, false).await;
+            }
+            let expected = pos.last_seq.saturating_add(1);
             if d.aggregate_seq > expected && self.order == OrderMode::Strict {
                 let _ = txn.rollback().await;
                 if give_up_gap {
@@ -101,6 +122,14 @@ impl<H: Handler> Applier<H> {
                     expected: Some(expected),
                 };
             }
+        }
+        if let Some(defect) = &d.defect {
+            // Its identity is sound, the rest is not: a permanent failure the handler is
+            // spared. The aggregate moves past it.
+            let _ = txn.rollback().await;
+            return self
+                .dead_letter(d, &format!("malformed entry: {defect}"), true)
+                .await;
         }
         let handled = AssertUnwindSafe(self.handler.handle(d, &txn))
             .catch_unwind()
@@ -226,7 +255,8 @@ impl<H: Handler> Applier<H> {
             };
             // Its place is the group's next (or, in monotonic order, any later), or a sequence
             // the group has passed that a new event reuses (see `process`).
-            let next = self.order == OrderMode::Monotonic || d.aggregate_seq <= pos.last_seq + 1;
+            let next = self.order == OrderMode::Monotonic
+                || d.aggregate_seq <= pos.last_seq.saturating_add(1);
             if !pos.seen
                 && next
                 && let Err(e) = self.record(&txn, d, InboxOutcome::DeadLettered).await

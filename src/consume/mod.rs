@@ -22,7 +22,15 @@
 //! the entry `max_deliveries` times (or at once, for a permanent failure); then the entry goes to
 //! the dead-letter stream with the error and its original fields, the aggregate moves on, and
 //! the entry is acknowledged. Entries that leave the stream (trimming) before the group
-//! processed them are counted as lost, never as success. `docs/consumers.md` is the guide.
+//! processed them are counted as lost, never as success.
+//!
+//! Anyone who can `XADD` to the stream can write any entry, so nothing about one is trusted:
+//! fields are read as bytes; an entry whose identity does not decode, or whose sequence is more
+//! than `max_seq_ahead` past the group's position, goes to the dead-letter stream without moving
+//! the position; one whose identity is sound but whose rest is not goes there in its
+//! aggregate's order, and the aggregate moves past it. No entry fails a read, a claim or a
+//! round. The inbox is keyed by aggregate as well as event id, so an id reused by another
+//! aggregate is not a duplicate. `docs/consumers.md` is the guide.
 
 mod apply;
 mod delivery;
@@ -108,6 +116,11 @@ pub struct ConsumerSettings {
     pub retry_backoff: Duration,
     /// How per-aggregate order is enforced.
     pub order: OrderMode,
+    /// How far past the group's position in its aggregate an event's sequence may be (≥ 1). An
+    /// event further ahead is taken for forged or corrupt: it goes to the dead-letter stream at
+    /// once and the position does not move. (In monotonic order the first event the group sees
+    /// of an aggregate is not bounded: it may be anywhere in the aggregate's history.)
+    pub max_seq_ahead: i64,
     /// How often an event held ahead of a gap is claimed again by its member, so that no other
     /// member reclaims it (a delivery is counted once per `claim_idle` of holding; held for
     /// `claim_idle` after its `max_deliveries`-th delivery, it goes to the dead-letter stream as
@@ -146,6 +159,7 @@ impl std::fmt::Debug for ConsumerSettings {
             .field("claim_idle", &self.claim_idle)
             .field("max_deliveries", &self.max_deliveries)
             .field("order", &self.order)
+            .field("max_seq_ahead", &self.max_seq_ahead)
             .field("order_wait", &self.order_wait)
             .field("member_timeout", &self.member_timeout)
             .finish_non_exhaustive()
@@ -174,6 +188,7 @@ impl ConsumerSettings {
             max_deliveries: 5,
             retry_backoff: Duration::from_millis(500),
             order: OrderMode::Strict,
+            max_seq_ahead: 1_000_000,
             order_wait: Duration::from_secs(5),
             member_timeout: Duration::from_secs(1),
             dead_letter: None,
@@ -217,6 +232,12 @@ impl ConsumerSettings {
         }
         if self.max_deliveries == 0 {
             return bad("max_deliveries is 0; at least 1 is needed".into());
+        }
+        if self.max_seq_ahead < 1 {
+            return bad(format!(
+                "max_seq_ahead is {}; at least 1 (the next sequence must be accepted)",
+                self.max_seq_ahead
+            ));
         }
         if self.block < Duration::from_millis(10) {
             return bad(format!("block is {:?}; at least 10 ms", self.block));
@@ -365,6 +386,7 @@ impl<H: Handler> Consumer<H> {
                 group: settings.group.clone(),
                 order: settings.order,
                 max_deliveries: settings.max_deliveries,
+                max_seq_ahead: settings.max_seq_ahead,
                 #[cfg(feature = "failpoints")]
                 ack_before_commit: settings.ack_before_commit,
             }),
@@ -648,8 +670,10 @@ impl<H: Handler> Consumer<H> {
                     // duplicate, or a rewound history: `process` decides) go, and the run of
                     // consecutive sequences from the one right after it, as one chain; the
                     // entries beyond the next gap stay held.
-                    let mut reach: HashMap<(String, String), i64> =
-                        at.into_iter().map(|(k, last)| (k, last + 1)).collect();
+                    let mut reach: HashMap<(String, String), i64> = at
+                        .into_iter()
+                        .map(|(k, last)| (k, last.saturating_add(1)))
+                        .collect();
                     let mut held = std::mem::take(&mut self.held);
                     held.sort_by_key(|d| d.aggregate_seq);
                     for d in held {
@@ -657,7 +681,7 @@ impl<H: Handler> Consumer<H> {
                         match reach.get_mut(&key) {
                             Some(next) if d.aggregate_seq <= *next => {
                                 if d.aggregate_seq == *next {
-                                    *next += 1;
+                                    *next = next.saturating_add(1);
                                 }
                                 released.push(d);
                             }
@@ -1060,6 +1084,14 @@ mod tests {
     #[test]
     fn defaults_are_valid() {
         settings().validate().expect("defaults validate");
+    }
+
+    #[test]
+    fn max_seq_ahead_must_accept_the_next_sequence() {
+        let mut s = settings();
+        s.max_seq_ahead = 0;
+        let m = refused(&s);
+        assert!(m.contains("max_seq_ahead is 0; at least 1"), "{m}");
     }
 
     #[test]

@@ -16,19 +16,21 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use redis::streams::{
-    StreamAutoClaimOptions, StreamAutoClaimReply, StreamClaimReply, StreamPendingCountReply,
-};
+use redis::streams::{StreamAutoClaimOptions, StreamPendingCountReply};
 use redis::{Script, Value};
 
 use super::{ConsumeError, ConsumerSettings, StartFrom};
 use crate::publish::{RedisConn, companion_key};
 
-/// An entry as read: id, fields, and the group's delivery count.
+/// One field of an entry, name and value as the writer sent them: anyone who can `XADD` to the
+/// stream chooses these bytes, so nothing about them is assumed here.
+pub(crate) type RawField = (Vec<u8>, Vec<u8>);
+
+/// An entry as read: id, fields in the entry's order, and the group's delivery count.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct RawEntry {
     pub id: String,
-    pub fields: HashMap<String, Value>,
+    pub fields: Vec<RawField>,
     pub deliveries: u32,
 }
 
@@ -326,9 +328,7 @@ impl GroupStream {
             self.count_lost(lost).await?;
         }
         let claimed = parse_entries(claimed, 1).ok_or_else(bad)?;
-        let entries = self
-            .with_counts(claimed.into_iter().map(|e| (e.id, e.fields)).collect())
-            .await?;
+        let entries = self.with_counts(claimed).await?;
         Ok((entries, lost))
     }
 
@@ -422,7 +422,7 @@ impl GroupStream {
         count: usize,
     ) -> Result<(String, Vec<RawEntry>, u64), ConsumeError> {
         let mut c = self.conn.clone();
-        let reply: StreamAutoClaimReply = redis::cmd("XAUTOCLAIM")
+        let reply: Value = redis::cmd("XAUTOCLAIM")
             .arg(&self.stream)
             .arg(&self.group)
             .arg(&self.consumer)
@@ -432,14 +432,14 @@ impl GroupStream {
             .query_async(&mut c)
             .await
             .map_err(ConsumeError::redis)?;
-        let lost = reply.deleted_ids.len() as u64;
+        let (next, claimed, lost) = parse_autoclaim(&reply).ok_or_else(|| {
+            ConsumeError::Redis(format!("unexpected reply to XAUTOCLAIM: {reply:?}"))
+        })?;
         if lost > 0 {
             self.count_lost(lost).await?;
         }
-        let entries = self
-            .with_counts(reply.claimed.into_iter().map(|s| (s.id, s.map)).collect())
-            .await?;
-        Ok((reply.next_stream_id, entries, lost))
+        let entries = self.with_counts(claimed).await?;
+        Ok((next, entries, lost))
     }
 
     /// Entries pending for this very consumer name (left by an earlier run), claimed again.
@@ -466,7 +466,7 @@ impl GroupStream {
             return Ok(Vec::new());
         }
         let mut c = self.conn.clone();
-        let reply: StreamClaimReply = redis::cmd("XCLAIM")
+        let reply: Value = redis::cmd("XCLAIM")
             .arg(&self.stream)
             .arg(&self.group)
             .arg(&self.consumer)
@@ -475,8 +475,9 @@ impl GroupStream {
             .query_async(&mut c)
             .await
             .map_err(ConsumeError::redis)?;
-        self.with_counts(reply.ids.into_iter().map(|s| (s.id, s.map)).collect())
-            .await
+        let claimed = parse_entries(&reply, 1)
+            .ok_or_else(|| ConsumeError::Redis(format!("unexpected reply to XCLAIM: {reply:?}")))?;
+        self.with_counts(claimed).await
     }
 
     /// Claims `ids` for this consumer again without counting a delivery (`JUSTID`): resets
@@ -498,17 +499,14 @@ impl GroupStream {
     }
 
     /// Adds the group's delivery counts to claimed entries.
-    async fn with_counts(
-        &self,
-        claimed: Vec<(String, HashMap<String, Value>)>,
-    ) -> Result<Vec<RawEntry>, ConsumeError> {
+    async fn with_counts(&self, claimed: Vec<RawEntry>) -> Result<Vec<RawEntry>, ConsumeError> {
         if claimed.is_empty() {
             return Ok(Vec::new());
         }
         // One exact-range XPENDING per entry, pipelined: a range over all of them would also
         // list this member's other pending entries and could cut some of these off.
         let mut pipe = redis::pipe();
-        for (id, _) in &claimed {
+        for RawEntry { id, .. } in &claimed {
             pipe.cmd("XPENDING")
                 .arg(&self.stream)
                 .arg(&self.group)
@@ -528,12 +526,11 @@ impl GroupStream {
             .collect();
         Ok(claimed
             .into_iter()
-            .map(|(id, fields)| RawEntry {
+            .map(|e| RawEntry {
                 deliveries: counts
-                    .get(&id)
+                    .get(&e.id)
                     .map_or(1, |n| u32::try_from(*n).unwrap_or(u32::MAX)),
-                id,
-                fields,
+                ..e
             })
             .collect())
     }
@@ -558,14 +555,14 @@ impl GroupStream {
     pub async fn dead_letter(
         &self,
         stream_id: &str,
-        raw: &[(String, Vec<u8>)],
+        raw: &[RawField],
         reason: &str,
         deliveries: u32,
     ) -> Result<String, ConsumeError> {
         let mut cmd = redis::cmd("XADD");
         cmd.arg(&self.dead_letter).arg("*");
         for (k, v) in raw {
-            cmd.arg(k).arg(v.as_slice());
+            cmd.arg(k.as_slice()).arg(v.as_slice());
         }
         cmd.arg("dead_reason")
             .arg(reason)
@@ -655,36 +652,74 @@ fn parse_consumers(v: &Value) -> Option<Vec<MemberInfo>> {
         .collect()
 }
 
-/// Parses `[[id, [field, value, …]], …]`.
-fn parse_entries(v: &Value, deliveries: u32) -> Option<Vec<RawEntry>> {
-    let Value::Array(items) = v else {
+/// Parses `[[id, [field, value, …]], …]` (`XREADGROUP`, `XCLAIM`, the take-over script).
+/// Field names and values are kept as bytes, whatever they hold: an entry's content never makes
+/// the reply fail to parse (which would leave a whole batch pending and stall reclaiming on it).
+/// An entry that left the stream (`nil`, or `nil` fields, from older servers) is skipped.
+pub(crate) fn parse_entries(v: &Value, deliveries: u32) -> Option<Vec<RawEntry>> {
+    let items = match v {
+        Value::Array(items) => items.as_slice(),
+        Value::Nil => &[],
+        _ => return None,
+    };
+    let mut entries = Vec::with_capacity(items.len());
+    for item in items {
+        let pair = match item {
+            Value::Array(pair) => pair,
+            Value::Nil => continue,
+            _ => return None,
+        };
+        let [id, fields] = pair.as_slice() else {
+            return None;
+        };
+        let id: String = redis::from_redis_value_ref(id).ok()?;
+        let kv = match fields {
+            Value::Array(kv) => kv,
+            Value::Nil => continue,
+            _ => return None,
+        };
+        let fields = kv
+            .chunks_exact(2)
+            .map(|c| Some((bytes(&c[0])?, bytes(&c[1])?)))
+            .collect::<Option<Vec<RawField>>>()?;
+        entries.push(RawEntry {
+            id,
+            fields,
+            deliveries,
+        });
+    }
+    Some(entries)
+}
+
+/// Parses `XAUTOCLAIM`'s reply: the next cursor, the claimed entries, and how many of the
+/// scanned pending entries had left the stream (Redis 7 lists them; older servers do not).
+fn parse_autoclaim(v: &Value) -> Option<(String, Vec<RawEntry>, u64)> {
+    let Value::Array(parts) = v else {
         return None;
     };
-    items
-        .iter()
-        .map(|item| {
-            let Value::Array(pair) = item else {
-                return None;
-            };
-            let [id, fields] = pair.as_slice() else {
-                return None;
-            };
-            let id: String = redis::from_redis_value_ref(id).ok()?;
-            let Value::Array(kv) = fields else {
-                return None;
-            };
-            let mut map = HashMap::with_capacity(kv.len() / 2);
-            for chunk in kv.chunks_exact(2) {
-                let key: String = redis::from_redis_value_ref(&chunk[0]).ok()?;
-                map.insert(key, chunk[1].clone());
-            }
-            Some(RawEntry {
-                id,
-                fields: map,
-                deliveries,
-            })
-        })
-        .collect()
+    let (next, claimed, deleted) = match parts.as_slice() {
+        [next, claimed] => (next, claimed, None),
+        [next, claimed, deleted] => (next, claimed, Some(deleted)),
+        _ => return None,
+    };
+    let next: String = redis::from_redis_value_ref(next).ok()?;
+    let lost = match deleted {
+        Some(Value::Array(ids)) => ids.len() as u64,
+        Some(Value::Nil) | None => 0,
+        Some(_) => return None,
+    };
+    Some((next, parse_entries(claimed, 1)?, lost))
+}
+
+/// The bytes of a field name or value (Redis sends bulk strings; the rest is tolerated).
+fn bytes(v: &Value) -> Option<Vec<u8>> {
+    match v {
+        Value::BulkString(b) => Some(b.clone()),
+        Value::SimpleString(s) => Some(s.clone().into_bytes()),
+        Value::VerbatimString { text, .. } => Some(text.clone().into_bytes()),
+        Value::Int(i) => Some(i.to_string().into_bytes()),
+        _ => None,
+    }
 }
 
 #[cfg(test)]
@@ -695,6 +730,38 @@ mod tests {
 
     fn bulk(s: &str) -> Value {
         Value::BulkString(s.as_bytes().to_vec())
+    }
+
+    #[test]
+    fn entries_parse_whatever_bytes_they_hold() {
+        let raw = |b: &[u8]| Value::BulkString(b.to_vec());
+        let entry = Value::Array(vec![
+            bulk("1-0"),
+            Value::Array(vec![
+                raw(b"\xff\xfe"),
+                raw(b"\x00\x1b[2J"),
+                bulk("ce_id"),
+                bulk("x"),
+            ]),
+        ]);
+        let reply = Value::Array(vec![entry.clone(), Value::Nil]);
+        let parsed = parse_entries(&reply, 1).unwrap();
+        assert_eq!(parsed.len(), 1, "an entry that left the stream is skipped");
+        assert_eq!(
+            parsed[0].fields,
+            vec![
+                (b"\xff\xfe".to_vec(), b"\x00\x1b[2J".to_vec()),
+                (b"ce_id".to_vec(), b"x".to_vec())
+            ]
+        );
+        let autoclaim = Value::Array(vec![
+            bulk("0-0"),
+            Value::Array(vec![entry]),
+            Value::Array(vec![bulk("2-0"), bulk("3-0")]),
+        ]);
+        let (next, claimed, lost) = parse_autoclaim(&autoclaim).unwrap();
+        assert_eq!((next.as_str(), claimed.len(), lost), ("0-0", 1, 2));
+        assert!(parse_entries(&Value::Int(3), 1).is_none());
     }
 
     #[test]

@@ -36,7 +36,11 @@ impl InboxOutcome {
 }
 
 /// Locks the group's position in the aggregate (creating it at 0 on first sight) for the rest of
-/// the transaction, and says where it stands and whether `event_id` was processed already.
+/// the transaction, and says where it stands and whether `event_id` was processed already in
+/// this aggregate. The inbox is keyed by aggregate as well as by event id: an event of another
+/// aggregate that reuses the id (a producer's bug, a restored database, a forged entry) is not
+/// taken for a duplicate. Rows recorded before the inbox knew aggregates (empty aggregate type
+/// and id) match an event id in any aggregate, as they did when written.
 ///
 /// The lock is what keeps two members of a group from applying one aggregate at once: the second
 /// waits, then reads the position the first committed.
@@ -53,7 +57,9 @@ pub async fn lock_position<C: ConnectionTrait>(
     let select = || {
         stmt(
             "SELECT p.last_seq, EXISTS (SELECT 1 FROM outpost_inbox \
-                                        WHERE consumer_group = $1 AND event_id = $4) \
+                                        WHERE consumer_group = $1 AND event_id = $4 \
+                                          AND (aggregate_type, aggregate_id) \
+                                              IN (($2, $3), ('', ''))) \
              FROM outpost_consumer_position p \
              WHERE p.consumer_group = $1 AND p.aggregate_type = $2 AND p.aggregate_id = $3 \
              FOR UPDATE OF p",
@@ -108,8 +114,9 @@ pub async fn record_processed<C: ConnectionTrait>(
 ) -> Result<bool, StoreError> {
     let res = txn
         .execute_raw(stmt(
-            "WITH inbox AS (INSERT INTO outpost_inbox (consumer_group, event_id, outcome) \
-                            VALUES ($1, $5, $6)) \
+            "WITH inbox AS (INSERT INTO outpost_inbox \
+                                (consumer_group, aggregate_type, aggregate_id, event_id, outcome) \
+                            VALUES ($1, $2, $3, $5, $6)) \
              UPDATE outpost_consumer_position SET last_seq = $4, \
                     updated_at = now() \
              WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3",

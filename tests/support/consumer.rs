@@ -33,6 +33,19 @@ impl Ev {
         }
     }
 
+    /// The entry's fields as bytes, with `name` set to `value` (added when absent, every copy
+    /// replaced when present): an entry as someone who can `XADD` could forge it.
+    pub fn tampered(&self, name: &[u8], value: &[u8]) -> Vec<(Vec<u8>, Vec<u8>)> {
+        let mut fields: Vec<(Vec<u8>, Vec<u8>)> = self
+            .fields()
+            .into_iter()
+            .map(|(k, v)| (k.as_bytes().to_vec(), v.into_bytes()))
+            .filter(|(k, _)| k.as_slice() != name)
+            .collect();
+        fields.push((name.to_vec(), value.to_vec()));
+        fields
+    }
+
     fn fields(&self) -> Vec<(&'static str, String)> {
         entry_fields(Message {
             event_id: self.event_id.to_string(),
@@ -71,6 +84,63 @@ pub async fn append_foreign(conn: &mut redis::aio::MultiplexedConnection, stream
         .query_async(conn)
         .await
         .expect("XADD");
+}
+
+/// Appends an entry made of exactly `fields`, whatever bytes they hold.
+pub async fn append_raw(
+    conn: &mut redis::aio::MultiplexedConnection,
+    stream: &str,
+    fields: &[(Vec<u8>, Vec<u8>)],
+) {
+    let mut cmd = redis::cmd("XADD");
+    cmd.arg(stream).arg("*");
+    for (k, v) in fields {
+        cmd.arg(k.as_slice()).arg(v.as_slice());
+    }
+    let _: String = cmd.query_async(conn).await.expect("XADD");
+}
+
+/// Every entry of `stream` (a dead-letter stream), fields as bytes in order; read without
+/// assuming UTF-8, as a hostile entry's fields are kept there as they were.
+pub async fn entries_raw(
+    conn: &mut redis::aio::MultiplexedConnection,
+    stream: &str,
+) -> Vec<Vec<(Vec<u8>, Vec<u8>)>> {
+    let reply: redis::Value = redis::cmd("XRANGE")
+        .arg(stream)
+        .arg("-")
+        .arg("+")
+        .query_async(conn)
+        .await
+        .expect("XRANGE");
+    let bytes = |v: &redis::Value| match v {
+        redis::Value::BulkString(b) => b.clone(),
+        other => panic!("unexpected field in XRANGE: {other:?}"),
+    };
+    let redis::Value::Array(items) = reply else {
+        panic!("unexpected XRANGE reply: {reply:?}")
+    };
+    items
+        .iter()
+        .map(|item| match item {
+            redis::Value::Array(pair) => match pair.as_slice() {
+                [_, redis::Value::Array(kv)] => kv
+                    .chunks_exact(2)
+                    .map(|c| (bytes(&c[0]), bytes(&c[1])))
+                    .collect(),
+                other => panic!("unexpected XRANGE entry: {other:?}"),
+            },
+            other => panic!("unexpected XRANGE entry: {other:?}"),
+        })
+        .collect()
+}
+
+/// The value of `name` among `fields`, as text (lossy).
+pub fn field_of(fields: &[(Vec<u8>, Vec<u8>)], name: &str) -> Option<String> {
+    fields
+        .iter()
+        .find(|(k, _)| k.as_slice() == name.as_bytes())
+        .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
 }
 
 /// Creates the table the recording handler writes to.
@@ -242,6 +312,26 @@ pub async fn check(db: &TestDb, expected: &BTreeMap<String, Vec<i64>>) -> Check 
     out
 }
 
+/// Every effect recorded, in the order applied: `(sequence, event id)`.
+pub async fn effects(db: &TestDb) -> Vec<(i64, uuid::Uuid)> {
+    db.store
+        .connection()
+        .query_all_raw(Statement::from_string(
+            DbBackend::Postgres,
+            "SELECT seq, event_id FROM consumer_effect ORDER BY id",
+        ))
+        .await
+        .expect("read effects")
+        .iter()
+        .map(|r| {
+            (
+                r.try_get_by_index(0).expect("seq"),
+                r.try_get_by_index(1).expect("event_id"),
+            )
+        })
+        .collect()
+}
+
 /// Number of effects recorded so far.
 pub async fn applied(db: &TestDb) -> i64 {
     super::scalar(db, "SELECT count(*) FROM consumer_effect").await
@@ -266,6 +356,45 @@ pub async fn pending(
         },
         _ => 0,
     }
+}
+
+/// Waits until `n` effects are recorded and the group has nothing pending in `stream`.
+pub async fn wait_applied_and_acknowledged(
+    db: &TestDb,
+    redis: &TestRedis,
+    stream: &str,
+    group: &str,
+    n: i64,
+) {
+    super::wait_until(30, &format!("{n} events applied"), || async {
+        applied(db).await == n
+    })
+    .await;
+    super::wait_until(30, "every entry acknowledged", || async {
+        pending(&mut redis.conn().await, stream, group).await == 0
+    })
+    .await;
+}
+
+/// Runs `outpost tail` with the test's Redis and key prefix; returns its stdout.
+pub fn tail(redis: &TestRedis, args: &[&str]) -> String {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_outpost"))
+        .arg("--set")
+        .arg(format!("redis.url={}", redis_url()))
+        .arg("--set")
+        .arg(format!("redis.key_prefix={}", redis.prefix))
+        .arg("tail")
+        .args(args)
+        .current_dir(std::env::temp_dir())
+        .env_remove("OUTPOST_DATABASE__URL")
+        .output()
+        .expect("run outpost tail");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("utf-8")
 }
 
 /// The handler shared by several consumers.
