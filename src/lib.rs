@@ -15,10 +15,12 @@
 //! `ARCHITECTURE.md` at the repository root has the bird's-eye view and the invariants.
 
 pub mod admin;
+pub mod app;
 pub mod cli;
 pub mod config;
 pub mod consume;
 pub mod dispatch;
+pub mod health;
 pub mod metrics;
 pub mod produce;
 pub mod publish;

@@ -38,7 +38,7 @@ async fn call(
 struct Setup {
     db: TestDb,
     _redis: TestRedis,
-    node: outpost::dispatch::node::NodeHandle,
+    node: outpost::app::NodeHandle,
     addr: String,
     tokens: HashMap<&'static str, String>,
     /// Panel sessions (cookie, CSRF token) by identity; the revoked one logged in before its
@@ -699,7 +699,7 @@ async fn without_a_token_the_endpoint_refuses_to_listen_beyond_loopback_and_says
     );
     let start = |config: outpost::config::Config| async move {
         support::init_logs();
-        tokio::task::spawn_blocking(move || outpost::dispatch::node::start(&config))
+        tokio::task::spawn_blocking(move || outpost::app::start(&config))
             .await
             .unwrap()
     };

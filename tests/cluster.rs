@@ -7,7 +7,7 @@ mod support;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use outpost::dispatch::node::NodeHandle;
+use outpost::app::NodeHandle;
 use outpost::produce::EventFact;
 use serde_json::json;
 use support::{TestDb, TestRedis, relay_config, wait_until};

@@ -11,8 +11,8 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use outpost::app::NodeHandle;
 use outpost::consume::Topology;
-use outpost::dispatch::node::NodeHandle;
 use outpost::produce::EventFact;
 use redis::cluster_async::ClusterConnection;
 use serde_json::json;

@@ -632,7 +632,7 @@ async fn idle_node_then(
     redis: &TestRedis,
     node_id: &str,
     sql: &str,
-) -> outpost::dispatch::node::NodeHandle {
+) -> outpost::app::NodeHandle {
     let config = support::relay_config_for(
         db,
         redis,
@@ -663,7 +663,7 @@ async fn times_drawn(db: &TestDb, name: &str) -> i64 {
 async fn second_event_is_nudged(
     db: &TestDb,
     redis: &TestRedis,
-    node: outpost::dispatch::node::NodeHandle,
+    node: outpost::app::NodeHandle,
     mut ids: Vec<String>,
 ) {
     wait_for_idle_node(db).await;

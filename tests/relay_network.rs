@@ -92,7 +92,7 @@ struct Setup {
     db: TestDb,
     redis: TestRedis,
     proxy: Proxy,
-    node: outpost::dispatch::node::NodeHandle,
+    node: outpost::app::NodeHandle,
     stop: Arc<AtomicBool>,
     writing: tokio::task::JoinHandle<Vec<String>>,
 }

@@ -29,7 +29,7 @@ async fn a_panicking_partition_actor_is_restarted_and_loses_nothing() {
     // The first three batches to start panic inside their actors.
     fail::cfg("actor-panic", "3*panic").unwrap();
     let config = relay_config(&db, &redis, "panic-node");
-    let node = tokio::task::spawn_blocking(move || outpost::dispatch::node::start(&config))
+    let node = tokio::task::spawn_blocking(move || outpost::app::start(&config))
         .await
         .unwrap()
         .unwrap();

@@ -189,7 +189,7 @@ async fn survive(outage: Outage) {
     let mut own = OwnRedis::start();
     let mut conn = own.conn().await;
     let config = relay_config_with(&db, &own.url(), "o:", "outage-node", &[]);
-    let node = tokio::task::spawn_blocking(move || outpost::dispatch::node::start(&config))
+    let node = tokio::task::spawn_blocking(move || outpost::app::start(&config))
         .await
         .unwrap()
         .unwrap();
@@ -645,7 +645,7 @@ async fn redis_that_may_evict_is_refused_or_reported() {
     let own = OwnRedis::start_with(&["--appendonly", "no", "--maxmemory-policy", "allkeys-lru"]);
     let _ = own.conn().await;
     let config = relay_config_with(&db, &own.url(), "o:", "evict-node", &[]);
-    let refused = tokio::task::spawn_blocking(move || outpost::dispatch::node::start(&config))
+    let refused = tokio::task::spawn_blocking(move || outpost::app::start(&config))
         .await
         .unwrap();
     let err = refused.expect_err("a Redis that may evict is refused");

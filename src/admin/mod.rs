@@ -29,7 +29,7 @@ pub use api::ApiDoc;
 use problem::ApiError;
 
 use crate::config::Config;
-use crate::dispatch::supervisor::Health;
+use crate::health::Health;
 use crate::store::Store;
 
 struct AppState {

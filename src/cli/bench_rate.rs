@@ -24,8 +24,8 @@ use super::bench_relay::{
     Load, delete_prefix_keys, preload, preload_more, print_run_header, stream_entries,
 };
 use super::scratch::Scratch;
+use crate::app::{self, NodeHandle};
 use crate::config::{Config, Secret};
-use crate::dispatch::node::{self, NodeHandle};
 use crate::store::Store;
 
 const DB_NAME: &str = "outpost_bench_rate";
@@ -113,7 +113,7 @@ impl Bench<'_> {
             cfg.node.id = format!("bench-rate-{i}");
             cfg.admin.listen = "127.0.0.1:0".to_owned();
             tweak(&mut cfg);
-            let started = tokio::task::spawn_blocking(move || node::start(&cfg))
+            let started = tokio::task::spawn_blocking(move || app::start(&cfg))
                 .await
                 .context("the node's start-up thread failed")?
                 .context("starting a node");

@@ -20,8 +20,8 @@ use redis::aio::MultiplexedConnection;
 use super::bench_latency::{self, Arrivals, Percentiles};
 use super::bench_poll::{self, OverviewPoller};
 use super::scratch::Scratch;
+use crate::app::{self, NodeHandle};
 use crate::config::{Config, Secret};
-use crate::dispatch::node::{self, NodeHandle};
 use crate::produce::load::{Committed, LoadReport, LoadSpec, WriteTarget, run_load};
 use crate::produce::{Limits, Producer};
 use crate::store::bench::{BareOrder, BareTable};
@@ -921,7 +921,7 @@ impl Bench<'_> {
             // Nothing published is kept, so nothing could be re-published.
             cfg.retention.republish_window_secs = 0;
         }
-        let handle = tokio::task::spawn_blocking(move || node::start(&cfg))
+        let handle = tokio::task::spawn_blocking(move || app::start(&cfg))
             .await
             .context("the node's start-up thread failed")?
             .context("starting the node")?;

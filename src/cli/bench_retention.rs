@@ -14,9 +14,9 @@ use clap::{Args, ValueEnum};
 
 use super::bench_relay::{noop, stream_entries};
 use super::scratch::Scratch;
+use crate::app;
 use crate::config::{Config, Secret};
 use crate::dispatch::housekeeping;
-use crate::dispatch::node;
 use crate::produce::load::{LoadReport, LoadSpec, WriteTarget, run_load};
 use crate::produce::{Limits, Producer};
 use crate::store::Store;
@@ -227,7 +227,7 @@ async fn soak(
     cfg.retention.trim_streams = true;
     cfg.retention.trim_interval_ms = 5000;
     cfg.retention.trim_ungrouped_after_secs = keep;
-    let node = tokio::task::spawn_blocking(move || node::start(&cfg))
+    let node = tokio::task::spawn_blocking(move || app::start(&cfg))
         .await
         .context("the node's start-up thread failed")?
         .context("starting the node")?;

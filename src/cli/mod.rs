@@ -219,7 +219,7 @@ pub(crate) fn cli_actor() -> crate::store::Actor {
         format!(
             "cli:{}@{}",
             std::env::var("USER").unwrap_or_else(|_| "unknown".to_owned()),
-            crate::dispatch::node::hostname()
+            crate::health::hostname()
         ),
         crate::store::Role::Admin,
     )

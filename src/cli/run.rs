@@ -3,8 +3,8 @@
 use clap::Args;
 use tokio::signal::unix::{SignalKind, signal};
 
+use crate::app;
 use crate::config::Config;
-use crate::dispatch::node;
 
 /// Options of `outpost run`.
 #[derive(Debug, Args)]
@@ -19,7 +19,7 @@ pub(super) async fn run(config: &Config, args: RunArgs) -> anyhow::Result<()> {
         super::migrate::run(config, super::migrate::MigrateAction::Up).await?;
     }
     let config = config.clone();
-    let handle = tokio::task::spawn_blocking(move || node::start(&config)).await??;
+    let handle = tokio::task::spawn_blocking(move || app::start(&config)).await??;
     println!(
         "outpost node {} running; metrics, /livez and /readyz on http://{}",
         handle.node_id(),

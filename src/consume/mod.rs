@@ -276,7 +276,7 @@ impl ConsumerSettings {
 }
 
 fn default_consumer_name() -> String {
-    let host: String = crate::dispatch::node::hostname()
+    let host: String = crate::health::hostname()
         .chars()
         .filter(|c| !c.is_whitespace() && !c.is_control())
         .collect();

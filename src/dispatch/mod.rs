@@ -1,12 +1,12 @@
 //! Dispatch: moving committed events from the outbox to their streams.
 //!
-//! Only this module sees both the database (through [`crate::store`]) and Redis.
+//! The relay's side that sees both the database (through [`crate::store`]) and Redis (through
+//! [`crate::publish`]); [`crate::app`] wires it into a node.
 
 pub mod backoff;
 pub mod batch;
 pub mod cursor;
 pub mod housekeeping;
-pub mod node;
 pub mod partition;
 pub mod ratelimit;
 pub mod redis_loss;

@@ -21,7 +21,7 @@
 use std::collections::BTreeMap;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
@@ -32,58 +32,10 @@ use tokio::sync::oneshot;
 use super::batch::{BatchError, BatchOutcome, Claim, Shared, Worker};
 use super::partition::{PartitionActor, PartitionReport, Stop, Wake, panic_message};
 use super::wakeup::{Action, WakePolicy, Wakeup};
+use crate::health::Health;
 use crate::metrics as m;
-use crate::publish::{PersistenceConfig, Publisher, ServerFacts};
+use crate::publish::{Publisher, ServerFacts};
 use crate::store::{Lease, LeaseRef, LeaseTick, Nudge, NudgeListener, Store};
-
-/// What readiness and liveness report; updated by the supervisor.
-#[derive(Debug, Default)]
-pub struct Health {
-    /// The last lease tick reached the database.
-    pub database: AtomicBool,
-    /// The last ping reached Redis.
-    pub redis: AtomicBool,
-    /// The supervisor is running (not shutting down).
-    pub running: AtomicBool,
-    /// Leases held.
-    pub leases: AtomicU64,
-    /// Redis may evict keys and `redis.maxmemory_policy_check` says to refuse that.
-    pub eviction_refused: AtomicBool,
-    /// What Redis said about itself at the last heartbeat, and its persistence settings.
-    pub redis_server: std::sync::Mutex<Option<(ServerFacts, PersistenceConfig)>>,
-}
-
-impl Health {
-    /// Ready to do work: database and Redis reachable, Redis not allowed to evict keys (unless
-    /// only warned about), supervisor running.
-    pub fn ready(&self) -> bool {
-        self.database.load(Ordering::Relaxed)
-            && self.redis.load(Ordering::Relaxed)
-            && self.running.load(Ordering::Relaxed)
-            && !self.eviction_refused.load(Ordering::Relaxed)
-    }
-
-    /// Records what Redis said about itself; `persistence` is kept from before when `None`.
-    pub fn set_redis(
-        &self,
-        facts: ServerFacts,
-        persistence: Option<PersistenceConfig>,
-        refuse_eviction: bool,
-    ) {
-        self.eviction_refused
-            .store(refuse_eviction && facts.may_evict(), Ordering::Relaxed);
-        gauge!(m::REDIS_MAY_EVICT).set(f64::from(u8::from(facts.may_evict())));
-        gauge!(m::REDIS_AOF).set(f64::from(u8::from(facts.aof_enabled)));
-        let mut slot = self
-            .redis_server
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let persistence = persistence
-            .or_else(|| slot.take().map(|(_, p)| p))
-            .unwrap_or_default();
-        *slot = Some((facts, persistence));
-    }
-}
 
 /// The supervisor's timing and identity.
 #[derive(Debug, Clone)]

@@ -663,9 +663,9 @@ pub async fn migrations_from(db: &TestDb, name: &str) -> u32 {
 }
 
 /// Starts a relay node in this process (its own thread and actix system).
-pub async fn start_node(config: outpost::config::Config) -> outpost::dispatch::node::NodeHandle {
+pub async fn start_node(config: outpost::config::Config) -> outpost::app::NodeHandle {
     init_logs();
-    tokio::task::spawn_blocking(move || outpost::dispatch::node::start(&config))
+    tokio::task::spawn_blocking(move || outpost::app::start(&config))
         .await
         .expect("node thread")
         .expect("node starts")

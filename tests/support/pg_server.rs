@@ -183,7 +183,7 @@ impl OwnPostgres {
         name: &str,
         redis: &super::TestRedis,
         node_id: &str,
-    ) -> outpost::dispatch::node::NodeHandle {
+    ) -> outpost::app::NodeHandle {
         let config = super::relay_config_at(
             &self.url(name),
             &super::redis_url(),

@@ -467,7 +467,7 @@ async fn missing_paths(paths: &BTreeSet<(String, String)>) -> Vec<String> {
         env_vars: None,
     })
     .expect("node configuration");
-    let node = tokio::task::spawn_blocking(move || outpost::dispatch::node::start(&config))
+    let node = tokio::task::spawn_blocking(move || outpost::app::start(&config))
         .await
         .unwrap()
         .expect("node starts");

@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Args;
+use outpost::app;
 use outpost::config::{Config, LoadOptions};
-use outpost::dispatch::node;
 use outpost::store::{Actor, Role, Store, admin};
 use sea_orm::{
     AccessMode, ColumnTrait, DatabaseConnection, EntityTrait, IsolationLevel, PaginatorTrait,
@@ -172,7 +172,7 @@ async fn scenario(
     let mut nodes = Vec::with_capacity(usize::from(args.nodes));
     for i in 1..=args.nodes {
         let node_config = node_config(options, url, redis, &args.key_prefix, i)?;
-        let handle = tokio::task::spawn_blocking(move || node::start(&node_config))
+        let handle = tokio::task::spawn_blocking(move || app::start(&node_config))
             .await?
             .context("starting a relay node")?;
         println!(

@@ -239,13 +239,9 @@ async fn consume(config: &Config, args: ConsumeArgs) -> anyhow::Result<()> {
     let target = ConsumerTarget {
         redis_url: config.redis.url()?.expose().to_owned(),
         key_prefix: config.redis.key_prefix.clone(),
-        member: args.member.unwrap_or_else(|| {
-            format!(
-                "{}-{}",
-                outpost::dispatch::node::hostname(),
-                std::process::id()
-            )
-        }),
+        member: args
+            .member
+            .unwrap_or_else(|| format!("{}-{}", outpost::health::hostname(), std::process::id())),
     };
     let mut term = signal(SignalKind::terminate())?;
     println!(

@@ -1,4 +1,5 @@
-//! Wiring a node: worker arbiters, the supervisor, the admin endpoints, and shutdown.
+//! The composition root: a node built from its configuration — store, publisher, worker
+//! arbiters, the supervisor, housekeeping, the admin endpoints — and its shutdown.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -9,16 +10,17 @@ use std::time::Duration;
 use actix::prelude::*;
 use tokio::sync::oneshot;
 
-use super::batch::{LeaseDeadline, RelaySettings, Shared, Worker};
-use super::cursor::Cursors;
-use super::housekeeping;
-use super::ratelimit::RateLimits;
-use super::redis_loss;
-use super::route::Router;
-use super::streams::StreamBook;
-use super::supervisor::{Health, NodeSupervisor, OwnedPartitions, Shutdown, SupervisorSettings};
-use super::wakeup::WakePolicy;
 use crate::config::Config;
+use crate::dispatch::batch::{LeaseDeadline, RelaySettings, Shared, Worker};
+use crate::dispatch::cursor::Cursors;
+use crate::dispatch::housekeeping;
+use crate::dispatch::ratelimit::RateLimits;
+use crate::dispatch::redis_loss;
+use crate::dispatch::route::Router;
+use crate::dispatch::streams::StreamBook;
+use crate::dispatch::supervisor::{NodeSupervisor, OwnedPartitions, Shutdown, SupervisorSettings};
+use crate::dispatch::wakeup::WakePolicy;
+use crate::health::{Health, hostname};
 use crate::publish::{PersistenceConfig, PublishError, Publisher, RedisSettings, ServerFacts};
 use crate::store::{ConnectSettings, NodeInfo, Store, StoreError};
 
@@ -119,15 +121,6 @@ pub fn node_id(config: &Config) -> String {
         Some(id) => id.to_owned(),
         None => format!("{}-{}", hostname(), std::process::id()),
     }
-}
-
-/// This machine's host name (for node ids and the audit log).
-pub fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|s| s.trim().to_owned())
-        .ok()
-        .filter(|s| !s.is_empty())
-        .unwrap_or_else(|| "node".to_owned())
 }
 
 /// Starts a node in a thread of its own and returns once it is running (database and Redis
