@@ -1,9 +1,10 @@
 //! The fences at Redis against values Outpost did not write, and epochs past what Lua's numbers
-//! hold exactly. A fence that holds no epoch stops only its partition, as a transient fault:
-//! retried, counted, nothing quarantined, no attempt burned; once an operator fixes it the
-//! events go out in order. An epoch of 1e14 or more is an epoch like any other, compared digit by
-//! digit: a fence of 1e14 the database never handed out is moved past, and epochs that differ
-//! beyond 2^53 still fence each other.
+//! hold exactly. A fence that holds no epoch stops only its partition's appends to its stream (a
+//! fence key that is not a hash: the stream's), as a transient fault: retried, counted, nothing
+//! quarantined, no attempt burned; once an operator fixes it the events go out in order. An epoch
+//! of 1e14 or more is an epoch like any other, compared digit by digit: a fence of 1e14 the
+//! database never handed out is moved past, and epochs that differ beyond 2^53 still fence each
+//! other.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -29,6 +30,15 @@ const HEALTHY: i32 = 9;
 fn fence_of_orders(redis: &TestRedis) -> String {
     let stream = format!("{}events:order", redis.prefix);
     companion_key(&redis.prefix, "fence", &stream).unwrap()
+}
+
+/// Runs a Redis command whose answer does not matter.
+async fn command(conn: &mut redis::aio::MultiplexedConnection, args: &[&str]) {
+    let _: () = redis::cmd(args[0])
+        .arg(&args[1..])
+        .query_async(conn)
+        .await
+        .unwrap();
 }
 
 async fn hset(conn: &mut redis::aio::MultiplexedConnection, key: &str, field: i32, value: &str) {
@@ -102,19 +112,30 @@ async fn start_with_one_published(db: &TestDb, redis: &TestRedis) -> Started {
     }
 }
 
+/// How a fence is spoilt.
+enum Spoil {
+    /// The partition's field set to this value.
+    Field(&'static str),
+    /// The key replaced by a string.
+    NotAHash,
+}
+
 /// How an operator puts a spoilt fence right.
 enum Fix {
     /// `HDEL` the partition's field: the owner writes its epoch at its next append.
     Remove,
     /// `HSET` the field to the partition's epoch (`outpost status`, `outpost_partition`).
     SetToLeaseEpoch,
+    /// `DEL` the key: the relay handles it as a fence Redis lost, re-publishing the recent
+    /// events of the partitions that wrote the stream.
+    DeleteKey,
 }
 
-/// A node delivers one event of partition [`SPOILT`], then its fence field is set to `value`:
-/// the partition's next events are not appended, nothing is quarantined, no attempt is counted,
+/// A node delivers one event of partition [`SPOILT`], then its fence is spoilt: the partition's
+/// next events are not appended, nothing is quarantined, no attempt is counted,
 /// `outpost_fence_invalid_total` rises, and partition [`HEALTHY`] on the same stream goes on.
-/// After `fix`, every event goes out once and in order.
-async fn spoilt_fence_is_retried_until_fixed(value: &str, fix: Fix) {
+/// After `fix`, every event goes out in order (once, unless the fix re-publishes).
+async fn spoilt_fence_is_retried_until_fixed(spoil: Spoil, fix: Fix) {
     let db = TestDb::new().await;
     let redis = TestRedis::new();
     let Started {
@@ -124,19 +145,27 @@ async fn spoilt_fence_is_retried_until_fixed(value: &str, fix: Fix) {
         fence,
     } = start_with_one_published(&db, &redis).await;
     let healthy = aggregate_in(&db, HEALTHY, 0).await;
-    hset(&mut conn, &fence, SPOILT, value).await;
+    match spoil {
+        Spoil::Field(value) => hset(&mut conn, &fence, SPOILT, value).await,
+        Spoil::NotAHash => {
+            command(&mut conn, &["SET", &fence, "not a hash"]).await;
+        }
+    }
     let before = counter(&node, "outpost_fence_invalid_total").await;
     for n in 2..=4 {
         commit_facts(&db.store, vec![order(&spoilt, n)]).await;
     }
     commit_facts(&db.store, vec![order(&healthy, 1)]).await;
+    // A spoilt field stops its own partition; a key that is not a hash, every partition's
+    // appends to its stream.
+    let healthy_waits = matches!(spoil, Spoil::NotAHash);
     let blamed = "SELECT count(*) FROM outpost_event WHERE status <> 'pending' OR attempts > 0";
     wait_until(
         30,
-        "the healthy partition to publish and the spoilt fence to be met again and again \
+        "the healthy partition to be done and the spoilt fence to be met again and again \
          (or an event to be blamed for it)",
         || async {
-            published(&db).await == 2
+            published(&db).await == if healthy_waits { 1 } else { 2 }
                 && (counter(&node, "outpost_fence_invalid_total").await >= before + 3.0
                     || scalar(&db, blamed).await > 0)
         },
@@ -150,27 +179,27 @@ async fn spoilt_fence_is_retried_until_fixed(value: &str, fix: Fix) {
     assert!(counter(&node, "outpost_fence_invalid_total").await >= before + 3.0);
     assert_eq!(
         scalar(&db, "SELECT count(*) FROM outpost_event").await,
-        3,
-        "the spoilt partition's events wait"
+        if healthy_waits { 4 } else { 3 },
+        "the spoilt fence's events wait"
     );
-    assert_eq!(
-        hget(&mut conn, &fence, SPOILT).await,
-        value,
-        "left as it was"
-    );
+    if let Spoil::Field(value) = spoil {
+        assert_eq!(
+            hget(&mut conn, &fence, SPOILT).await,
+            value,
+            "left as it was"
+        );
+    }
 
     match fix {
         Fix::Remove => {
-            let _: () = redis::cmd("HDEL")
-                .arg(&fence)
-                .arg(SPOILT)
-                .query_async(&mut conn)
-                .await
-                .unwrap();
+            command(&mut conn, &["HDEL", &fence, &SPOILT.to_string()]).await;
         }
         Fix::SetToLeaseEpoch => {
             let epoch = lease_epoch(&db).await;
             hset(&mut conn, &fence, SPOILT, &epoch.to_string()).await;
+        }
+        Fix::DeleteKey => {
+            command(&mut conn, &["DEL", &fence]).await;
         }
     }
     wait_until(30, "every event to be published", || async {
@@ -182,7 +211,9 @@ async fn spoilt_fence_is_retried_until_fixed(value: &str, fix: Fix) {
         d.order.get(&("order".to_owned(), spoilt.clone())),
         Some(&vec![1, 2, 3, 4])
     );
-    assert_eq!(d.duplicates(), 0);
+    if !matches!(fix, Fix::DeleteKey) {
+        assert_eq!(d.duplicates(), 0);
+    }
     let epoch = lease_epoch(&db).await;
     assert_eq!(hget(&mut conn, &fence, SPOILT).await, epoch.to_string());
     node.shutdown().await;
@@ -190,13 +221,21 @@ async fn spoilt_fence_is_retried_until_fixed(value: &str, fix: Fix) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fence_that_is_not_a_number_stops_its_partition_until_the_field_is_removed() {
-    spoilt_fence_is_retried_until_fixed("abc", Fix::Remove).await;
+    spoilt_fence_is_retried_until_fixed(Spoil::Field("abc"), Fix::Remove).await;
+}
+
+/// A fence key that is not a hash can only be deleted; the relay then re-creates it as after a
+/// Redis data loss.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fence_that_is_not_a_hash_stops_its_stream_until_it_is_deleted() {
+    spoilt_fence_is_retried_until_fixed(Spoil::NotAHash, Fix::DeleteKey).await;
 }
 
 /// `i64::MAX`: no epoch the database can hand out is above it, so it cannot be an epoch.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fence_past_every_epoch_stops_its_partition_until_it_is_set_to_the_lease_epoch() {
-    spoilt_fence_is_retried_until_fixed("9223372036854775807", Fix::SetToLeaseEpoch).await;
+    spoilt_fence_is_retried_until_fixed(Spoil::Field("9223372036854775807"), Fix::SetToLeaseEpoch)
+        .await;
 }
 
 /// A fence of 1e14 the database never handed out (Lua wrote it back as `1e+14`, an unreadable
@@ -322,12 +361,7 @@ async fn the_publish_script_compares_large_epochs_exactly_and_reports_fences_tha
             "{value}"
         );
     }
-    let _: () = redis::cmd("SET")
-        .arg(&fence)
-        .arg("not a hash")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    command(&mut conn, &["SET", &fence, "not a hash"]).await;
     assert_eq!(
         publish(8, 4).await,
         StreamOutcome::BadFence {
