@@ -54,10 +54,9 @@ end
 /// at Redis is older than ARGV[5] (Redis lost data: nothing is appended until the loss is
 /// handled), `{'badfence', value}` when the partition's field holds something that is not an
 /// epoch (its first 64 bytes), `{'badfence'}` when the fence is not a hash (nothing is appended
-/// until someone fixes it), `{'fenced', current}`
-/// when a newer epoch is recorded;
-/// otherwise `{'ok', id...}`, or `{'error', message, id...}` when an `XADD` was refused after the
-/// listed ids were appended.
+/// until someone fixes it), `{'fenced', current}` when a newer epoch is recorded; otherwise
+/// `{'ok', id...}`, or `{'error', message, id...}` when an `XADD` was refused after the listed
+/// ids were appended.
 const LUA_FENCE: &str = r"
 local deadline = tonumber(ARGV[4])
 if deadline > 0 then
