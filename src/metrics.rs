@@ -10,12 +10,16 @@ use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
 /// Events appended to a stream.
 pub const PUBLISHED: &str = "outpost_events_published_total";
-/// Publishing failures, labelled `kind` (`transient`|`permanent`) and `code` (Redis error code or
-/// Outpost's own: `IO`, `OVERSIZE`, `UNROUTABLE`, `ENCODING`).
+/// Publishing failures, labelled `kind` (`transient`|`permanent`|`unpublishable`) and `code`
+/// (Redis error code or Outpost's own: `IO`, `FENCE`, `OVERSIZE`, `UNROUTABLE`, `ENCODING`, …).
 pub const FAILURES: &str = "outpost_publish_failures_total";
+/// Publish calls refused because the partition's fence at Redis holds no epoch (a value someone
+/// else wrote): nothing is appended for the partition until an operator fixes the fence.
+pub const FENCE_INVALID: &str = "outpost_fence_invalid_total";
 /// Events scheduled for another attempt.
 pub const RETRIES: &str = "outpost_retries_total";
-/// Events quarantined after `relay.max_attempts`.
+/// Events quarantined: after `relay.max_attempts`, or at the first attempt when they can never
+/// be published as they are.
 pub const QUARANTINED: &str = "outpost_events_quarantined_total";
 /// Events that routing sends nowhere.
 pub const NO_DESTINATION: &str = "outpost_events_no_destination_total";
@@ -92,6 +96,7 @@ pub const ALL: &[&str] = &[
     LEASES_HELD,
     PARTITIONS_PAUSED,
     FENCED,
+    FENCE_INVALID,
     ACTOR_RESTARTS,
     NUDGES,
     RETENTION_DELETED,
@@ -178,7 +183,7 @@ fn describe() {
     describe_counter!(
         QUARANTINED,
         Unit::Count,
-        "Events quarantined after max_attempts."
+        "Events quarantined (after max_attempts, or at once when they can never be published)."
     );
     describe_counter!(NO_DESTINATION, Unit::Count, "Events routed nowhere.");
     describe_counter!(
@@ -223,6 +228,11 @@ fn describe() {
         FENCED,
         Unit::Count,
         "Publishes or marks rejected after a lost lease."
+    );
+    describe_counter!(
+        FENCE_INVALID,
+        Unit::Count,
+        "Publish calls refused because a partition's fence at Redis holds no epoch; fix the fence."
     );
     describe_counter!(
         ACTOR_RESTARTS,

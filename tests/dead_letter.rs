@@ -287,7 +287,8 @@ async fn a_poisoned_event_is_found_by_its_code_shown_whole_and_replayed_by_id() 
         .unwrap();
     assert_eq!(found.events.len(), 1);
     let first = &found.events[0];
-    assert_eq!((first.aggregate_seq, first.attempts), (1, 3));
+    // A key of the wrong type at the stream: quarantined at the first attempt.
+    assert_eq!((first.aggregate_seq, first.attempts), (1, 1));
     assert_eq!(first.event_id.to_string(), ids[0]);
     let detail = db
         .store

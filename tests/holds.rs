@@ -62,9 +62,10 @@ fn failed(id: i64, seq: i64) -> FailedEvent {
         aggregate_type: "order".to_owned(),
         aggregate_id: "o-1".to_owned(),
         aggregate_seq: seq,
-        code: "WRONGTYPE".to_owned(),
-        error: "WRONGTYPE Operation against a key holding the wrong kind of value".to_owned(),
+        code: "NOPERM".to_owned(),
+        error: "NOPERM this user has no permissions to access the key".to_owned(),
         retry_in_ms: 60_000,
+        unpublishable: false,
     }
 }
 
@@ -157,15 +158,50 @@ async fn a_hold_ends_only_for_the_event_it_was_for() {
     );
 }
 
+/// A failure that can never succeed (here a key of the wrong type at the stream) is quarantined
+/// at its first attempt, however many attempts `max_attempts` allows, and holds its aggregate.
+#[tokio::test]
+async fn an_unpublishable_failure_is_quarantined_at_its_first_attempt() {
+    let db = TestDb::new().await;
+    let (lease, ids) = three_events(&db).await;
+    let mut wrongtype = failed(ids[0], 1);
+    wrongtype.code = "WRONGTYPE".to_owned();
+    wrongtype.error =
+        "WRONGTYPE Operation against a key holding the wrong kind of value".to_owned();
+    wrongtype.unpublishable = true;
+    let result = BatchResult {
+        failed: vec![wrongtype],
+        ..BatchResult::default()
+    };
+    let recorded = db
+        .store
+        .record_batch(&lease, &result, false, 5)
+        .await
+        .unwrap();
+    assert_eq!((recorded.quarantined, recorded.retrying), (1, 0));
+    assert_eq!(statuses(&db).await, ["quarantined", "held", "held"]);
+    assert_eq!(
+        scalar(
+            &db,
+            &format!(
+                "SELECT attempts::int8 FROM outpost_event WHERE id = {}",
+                ids[0]
+            )
+        )
+        .await,
+        1
+    );
+}
+
 use sea_orm::ConnectionTrait;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_event_routed_nowhere_ends_its_aggregates_hold() {
     let db = TestDb::new().await;
     let redis = TestRedis::new();
-    // `order.bad` goes to a stream that holds a string: every attempt fails, the aggregate is
-    // held. The operator's fix: route the type nowhere. The failing event then leaves delivery
-    // and its successors must flow.
+    // `order.bad` goes to a stream that holds a string: the event fails, the aggregate is held.
+    // The operator's fix: route the type nowhere. The failing event then leaves delivery and its
+    // successors must flow.
     let bad_stream = format!("{}bad", redis.prefix);
     let mut conn = redis.conn().await;
     let _: () = redis::cmd("SET")
@@ -196,6 +232,24 @@ async fn a_failing_event_routed_nowhere_ends_its_aggregates_hold() {
     )
     .await;
     node.shutdown().await;
+    // A key of the wrong type quarantines at once; an error that is retried (a code Outpost
+    // does not know) leaves the event waiting for its next attempt instead, as here.
+    assert_eq!(
+        scalar(
+            &db,
+            "SELECT count(*) FROM outpost_event WHERE status = 'quarantined' AND attempts = 1"
+        )
+        .await,
+        1
+    );
+    db.store
+        .connection()
+        .execute_unprepared(
+            "UPDATE outpost_event SET status = 'retry_wait', next_attempt_at = now() \
+             WHERE status = 'quarantined'",
+        )
+        .await
+        .unwrap();
     // Re-route the failing event nowhere (`routing.no_destination` for its type, here by
     // clearing its explicit destination and routing the type nowhere).
     db.store

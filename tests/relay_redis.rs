@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use outpost::produce::{EventFact, Producer};
 use outpost::publish::{
-    Entry, ErrorClass, Message, Publisher, RedisSettings, StreamBatch, StreamOutcome, Topology,
+    ErrorClass, Publisher, RedisSettings, StreamBatch, StreamOutcome, Topology,
 };
 use sea_orm::TransactionTrait;
 use serde_json::json;
@@ -338,20 +338,7 @@ fn one_event(stream: &str, seq: i64) -> StreamBatch {
         epoch: 1,
         known: seq > 1,
         expect: None,
-        entries: vec![
-            Entry::new(Message {
-                event_id: format!("e{seq}"),
-                event_type: "t".to_owned(),
-                aggregate_type: "kind".to_owned(),
-                aggregate_id: "a".to_owned(),
-                aggregate_seq: seq,
-                schema_version: "1".to_owned(),
-                time: "2026-12-03T00:00:00Z".to_owned(),
-                payload: "{}".to_owned(),
-                headers: "{}".to_owned(),
-            })
-            .unwrap(),
-        ],
+        entries: vec![support::plain_entry(seq)],
     }
 }
 

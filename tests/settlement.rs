@@ -86,18 +86,15 @@ async fn a_partition_fenced_on_its_first_stream_leaves_the_next_partitions_repli
     )
     .await;
     assert_eq!(published, 0, "p2's unpublished event was marked published");
-    let retrying = scalar(
+    let failed = scalar(
         &db,
         &format!(
             "SELECT count(*) FROM outpost_event WHERE aggregate_id = '{z}' \
-             AND status = 'retry_wait' AND last_error LIKE 'WRONGTYPE%'"
+             AND status = 'quarantined' AND attempts = 1 AND last_error LIKE 'WRONGTYPE%'"
         ),
     )
     .await;
-    assert_eq!(
-        retrying, 1,
-        "p2's event is waiting to retry its own failure"
-    );
+    assert_eq!(failed, 1, "p2's event is quarantined for its own failure");
     // p1 was fenced: nothing of it recorded.
     let p1_rows = scalar(
         &db,

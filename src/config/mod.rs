@@ -325,7 +325,8 @@ pub struct RelayConfig {
     pub busy_poll_ms: u64,
     /// Time without work before asking producers for a nudge, ms, 1..=60000.
     pub idle_after_ms: u64,
-    /// Publishing attempts before an event is given up on, 1..=1000.
+    /// Publishing attempts before an event is given up on, 1..=1000 (failures that can never
+    /// succeed give up at the first; transient ones count none).
     pub max_attempts: u32,
     /// First retry delay in milliseconds, 1..=3600000.
     pub backoff_base_ms: u64,

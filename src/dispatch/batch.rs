@@ -546,7 +546,12 @@ async fn settle_and_mark(
         counter!(m::PUBLISHED).increment(result.published.len() as u64);
         counter!(m::NO_DESTINATION).increment(result.no_destination.len() as u64);
         for f in &result.failed {
-            counter!(m::FAILURES, "kind" => "permanent", "code" => f.code.clone()).increment(1);
+            let kind = if f.unpublishable {
+                "unpublishable"
+            } else {
+                "permanent"
+            };
+            counter!(m::FAILURES, "kind" => kind, "code" => f.code.clone()).increment(1);
         }
         let only_published = result.failed.is_empty()
             && result.no_destination.is_empty()
@@ -627,8 +632,11 @@ async fn settle_and_mark(
                     tracing::error!(
                         partition = lease.partition,
                         quarantined = recorded.quarantined,
-                        "events quarantined after relay.max_attempts; list them with \
-                             `outpost dead-letter list`, then `outpost dead-letter replay`"
+                        "events quarantined (after relay.max_attempts, or at their first \
+                         attempt when they can never be published as they are: WRONGTYPE, \
+                         OVERSIZE, UNROUTABLE, ENCODING, UNDECODABLE, KEY); list them with \
+                         `outpost dead-letter list`, fix the cause, then `outpost dead-letter \
+                         replay`"
                     );
                 }
                 match transient {
@@ -775,6 +783,15 @@ fn note_replies(book: &StreamBook, calls: &[StreamBatch], replies: &[StreamOutco
             StreamOutcome::Lost => book.flag_lost(),
             StreamOutcome::Fenced { .. } => {
                 counter!(m::FENCED, "at" => "redis").increment(1);
+            }
+            StreamOutcome::BadFence { fence, value } => {
+                counter!(m::FENCE_INVALID).increment(1);
+                let error = PublishError::bad_fence(fence, call.partition, value.as_deref());
+                tracing::error!(
+                    fence = %fence,
+                    partition = call.partition,
+                    "{error}"
+                );
             }
         }
     }

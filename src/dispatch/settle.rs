@@ -5,8 +5,8 @@
 //! the replies are split by those counts first, whatever they say: a fenced or lost call
 //! ends its partition's batch but never shifts another partition's replies onto it. Then, per
 //! partition and call by call, each appended entry's row is published with its own entry id, and
-//! the first entry Redis refused is a failure of its own row (permanent) or of the call
-//! (transient). A pure function: the caller applies the side effects (metrics, the stream book,
+//! the first entry Redis refused is a failure of its own row (permanent or unpublishable) or of
+//! the call (transient, a fence that holds no epoch included). A pure function: the caller applies the side effects (metrics, the stream book,
 //! the database).
 
 use std::time::Duration;
@@ -123,6 +123,12 @@ fn settle_partition(
                 lost.get_or_insert_with(|| call.stream.clone());
                 continue;
             }
+            StreamOutcome::BadFence { fence, value } => {
+                transient.get_or_insert_with(|| {
+                    PublishError::bad_fence(&fence, call.partition, value.as_deref())
+                });
+                continue;
+            }
         };
         let appended = ids.len();
         if let Some((ms, seq)) = ids.last().and_then(|id| parse_entry_id(id)) {
@@ -145,7 +151,7 @@ fn settle_partition(
             (error, origins.get(appended), call.entries.get(appended))
         {
             match error.class() {
-                ErrorClass::Permanent => {
+                ErrorClass::Permanent | ErrorClass::Unpublishable => {
                     result
                         .failed
                         .push(failure(settings, rng, origin, entry.aggregate(), &error));
@@ -169,7 +175,8 @@ fn settle_partition(
     }
 }
 
-/// The failure of `origin`'s row with `error`: an attempt counted, a retry after a backoff.
+/// The failure of `origin`'s row with `error`: an attempt counted, a retry after a backoff, or
+/// quarantine at once when the row can never be published as it is.
 pub(super) fn failure(
     settings: &RelaySettings,
     rng: &mut impl rand::Rng,
@@ -192,6 +199,7 @@ pub(super) fn failure(
             format!("{} {error}", error.code())
         },
         retry_in_ms: i64::try_from(delay.as_millis()).unwrap_or(i64::MAX),
+        unpublishable: error.class() == ErrorClass::Unpublishable,
     }
 }
 
@@ -391,6 +399,63 @@ mod tests {
                 assert_eq!(transient.as_ref().map(PublishError::code), Some("OOM"));
             }
             other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_bad_fence_fails_the_call_transiently_and_blames_no_row() {
+        let out = run(
+            vec![
+                vec![call("a", 1, "x", 10, 2), call("b", 1, "y", 12, 1)],
+                vec![call("c", 2, "z", 20, 1)],
+            ],
+            vec![
+                StreamOutcome::BadFence {
+                    fence: "fence-a".to_owned(),
+                    value: Some("abc".to_owned()),
+                },
+                StreamOutcome::Published(ids("b", 1)),
+                StreamOutcome::Published(ids("c", 1)),
+            ],
+        );
+        match &out[0] {
+            Settlement::Answered {
+                result, transient, ..
+            } => {
+                assert_eq!(result.published, vec![(12, "b-0".to_owned())]);
+                assert!(result.failed.is_empty(), "{result:?}");
+                let e = transient.as_ref().map(|e| (e.code(), e.class()));
+                assert_eq!(e, Some(("FENCE", ErrorClass::Transient)));
+                assert!(
+                    transient
+                        .as_ref()
+                        .is_some_and(|e| e.to_string().contains("fence-a"))
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(answered(&out[1]).published.len(), 1);
+    }
+
+    #[test]
+    fn an_unpublishable_row_is_marked_for_quarantine_and_a_permanent_one_for_retry() {
+        for (error, now) in [
+            (
+                PublishError::from_reply("WRONGTYPE Operation against a key"),
+                true,
+            ),
+            (PublishError::from_reply("NOPERM no permissions"), false),
+        ] {
+            let out = run(
+                vec![vec![call("a", 1, "x", 10, 1)]],
+                vec![StreamOutcome::Failed {
+                    ids: Vec::new(),
+                    error,
+                }],
+            );
+            let r = answered(&out[0]);
+            assert_eq!(r.failed.len(), 1);
+            assert_eq!(r.failed[0].unpublishable, now, "{:?}", r.failed[0]);
         }
     }
 

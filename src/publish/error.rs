@@ -6,9 +6,14 @@ pub enum ErrorClass {
     /// Redis is unreachable, slow, out of memory, loading, or the cluster is moving: back the
     /// partition off and retry later without counting an attempt.
     Transient,
-    /// Redis refused this event for its own reasons (a key of the wrong type at its stream, an
-    /// oversized entry): count an attempt, retry with backoff, quarantine eventually.
+    /// Redis or Outpost refused this event for a reason that may pass (an error code Outpost
+    /// does not know, an unexpected reply): count an attempt, retry with backoff, quarantine
+    /// after `relay.max_attempts`.
     Permanent,
+    /// The event can never be published as it is (a key of the wrong type where its stream
+    /// goes, too large, not routable or encodable): quarantine it at the first attempt. An
+    /// operator fixes the cause and replays it.
+    Unpublishable,
 }
 
 /// A publishing error.
@@ -20,11 +25,18 @@ pub struct PublishError {
     message: String,
 }
 
-/// Classifies a Redis error code (the first word of an error reply).
+/// Classifies an error code: a Redis error code (the first word of an error reply) or one of
+/// Outpost's own. Whatever can heal without anyone touching the event is transient; whatever
+/// the event itself makes fail on every attempt is unpublishable; the rest (codes not known
+/// here) is permanent: retried up to `relay.max_attempts`.
 pub fn classify_code(code: &str) -> ErrorClass {
     match code {
         "OOM" | "LOADING" | "BUSY" | "TRYAGAIN" | "CLUSTERDOWN" | "MASTERDOWN" | "READONLY"
-        | "MOVED" | "ASK" | "NOREPLICAS" | "NOSCRIPT" | "UNBLOCKED" | "IO" => ErrorClass::Transient,
+        | "MOVED" | "ASK" | "NOREPLICAS" | "NOSCRIPT" | "UNBLOCKED" | "IO" | "LATE" | "CONFIG"
+        | "FENCE" => ErrorClass::Transient,
+        "WRONGTYPE" | "OVERSIZE" | "UNROUTABLE" | "ENCODING" | "UNDECODABLE" | "KEY" => {
+            ErrorClass::Unpublishable
+        }
         _ => ErrorClass::Permanent,
     }
 }
@@ -63,10 +75,16 @@ impl PublishError {
         }
     }
 
-    /// A permanent error for one event that Outpost detects itself (too large, unroutable).
+    /// An error of one event that Outpost detects itself (too large, unroutable: unpublishable;
+    /// an unexpected reply: permanent), classified by its code ([`classify_code`]), never
+    /// transient.
     pub fn event(code: &str, message: impl Into<String>) -> Self {
+        let class = match classify_code(code) {
+            ErrorClass::Transient => ErrorClass::Permanent,
+            class => class,
+        };
         Self {
-            class: ErrorClass::Permanent,
+            class,
             code: code.to_owned(),
             message: message.into(),
         }
@@ -91,6 +109,33 @@ impl PublishError {
                       redis.response_timeout_ms); nothing was appended (a slow or partitioned \
                       network, a paused or overloaded Redis)"
                 .to_owned(),
+        }
+    }
+
+    /// The fence hash `fence` does not hold an epoch for `partition`: `value` is what its field
+    /// holds (its first bytes), `None` when the key is not a hash at all. Someone other than
+    /// Outpost wrote it; nothing is appended for the partition until it is fixed, and no event
+    /// is blamed.
+    pub fn bad_fence(fence: &str, partition: i32, value: Option<&str>) -> Self {
+        let message = match value {
+            Some(value) => format!(
+                "the fence {fence} holds {value:?} for partition {partition}, which is not an \
+                 epoch (decimal digits, below 9223372036854775807); nothing is appended for the \
+                 partition until it is fixed: set it to the partition's epoch shown by `outpost \
+                 status` (HSET {fence} {partition} <epoch>) or remove the field (HDEL {fence} \
+                 {partition}); never delete the whole key"
+            ),
+            None => format!(
+                "the fence {fence} of partition {partition} is not a hash; nothing is appended \
+                 to its stream until it is fixed: remove the key (DEL {fence}), and the relay \
+                 handles the stream as one whose fence Redis lost (it re-publishes the partitions' \
+                 recent events, which consumers deduplicate)"
+            ),
+        };
+        Self {
+            class: ErrorClass::Transient,
+            code: "FENCE".to_owned(),
+            message,
         }
     }
 
@@ -120,13 +165,13 @@ impl PublishError {
         }
     }
 
-    /// Transient or permanent.
+    /// Transient, permanent or unpublishable.
     pub fn class(&self) -> ErrorClass {
         self.class
     }
 
-    /// The Redis error code (`WRONGTYPE`, `OOM`, …) or Outpost's own (`IO`, `LATE`, `OVERSIZE`,
-    /// `UNROUTABLE`, `CONFIG`).
+    /// The Redis error code (`WRONGTYPE`, `OOM`, …) or Outpost's own (`IO`, `LATE`, `FENCE`,
+    /// `OVERSIZE`, `UNROUTABLE`, `ENCODING`, `UNDECODABLE`, `KEY`, `PROTOCOL`, `CONFIG`).
     pub fn code(&self) -> &str {
         &self.code
     }
@@ -147,7 +192,32 @@ mod tests {
         );
         assert_eq!(
             (wrong.class(), wrong.code()),
-            (ErrorClass::Permanent, "WRONGTYPE")
+            (ErrorClass::Unpublishable, "WRONGTYPE")
+        );
+        for code in ["OVERSIZE", "UNROUTABLE", "ENCODING", "UNDECODABLE", "KEY"] {
+            assert_eq!(
+                PublishError::event(code, "x").class(),
+                ErrorClass::Unpublishable,
+                "{code}"
+            );
+        }
+        // An unknown code may pass; an unexpected reply too. Neither is retried without counting.
+        assert_eq!(
+            PublishError::from_reply("NOPERM this user has no permissions").class(),
+            ErrorClass::Permanent
+        );
+        assert_eq!(
+            PublishError::event("PROTOCOL", "x").class(),
+            ErrorClass::Permanent
+        );
+        assert_eq!(
+            PublishError::event("IO", "x").class(),
+            ErrorClass::Permanent
+        );
+        let fence = PublishError::bad_fence("f", 3, Some("abc"));
+        assert_eq!(
+            (fence.class(), fence.code()),
+            (ErrorClass::Transient, "FENCE")
         );
         for t in [
             "OOM command not allowed",

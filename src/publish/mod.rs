@@ -69,6 +69,15 @@ pub enum StreamOutcome {
         /// The epoch found at Redis.
         current: i64,
     },
+    /// The partition's fence at Redis is not an epoch (someone else wrote it): nothing appended,
+    /// nothing can be until it is fixed, and no event is to blame
+    /// ([`PublishError::bad_fence`]).
+    BadFence {
+        /// The fence key.
+        fence: String,
+        /// What the partition's field holds (its first bytes); `None`: the key is not a hash.
+        value: Option<String>,
+    },
     /// The stream is known to have been written, but its fence hash is gone, or the newest entry
     /// of the partition Redis holds is older than [`StreamBatch::expect`]: Redis lost data
     /// (restarted empty or from an older snapshot, failed over to a replica that lagged,
@@ -223,7 +232,7 @@ impl Publisher {
                     })?),
                     // The server refused the command itself (a proxy that does not pass it on, an
                     // ACL without it): calls go without a deadline.
-                    Err(e) if e.class() == ErrorClass::Permanent => {
+                    Err(e) if e.class() != ErrorClass::Transient => {
                         if !self
                             .clock
                             .warned
@@ -322,11 +331,12 @@ impl Publisher {
                 out[i] = Some(match reply {
                     Ok(v) => {
                         // A reply that cannot be read fails its own call, not the others.
-                        let outcome =
-                            script::parse_reply(v).unwrap_or_else(|error| StreamOutcome::Failed {
+                        let outcome = script::parse_reply(v, &fence).unwrap_or_else(|error| {
+                            StreamOutcome::Failed {
                                 ids: Vec::new(),
                                 error,
-                            });
+                            }
+                        });
                         if matches!(&outcome, StreamOutcome::Failed { error, .. } if error.is_late())
                         {
                             // Maybe a server with another clock now: read it again.

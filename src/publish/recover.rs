@@ -18,11 +18,13 @@ pub struct StreamPosition {
 }
 
 /// KEYS[1]: fence hash. ARGV: partition, epoch, … Raises each partition's fence to at least the
-/// given epoch (never lowers one).
+/// given epoch (never lowers one), comparing epochs as strings of digits
+/// ([`LUA_EPOCH`](super::script::LUA_EPOCH)). A field that holds no epoch is left for an
+/// operator to fix: the publish script refuses to append past it and says so.
 const RAISE_FENCES: &str = r"
 for i = 1, #ARGV, 2 do
-  local current = tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '0')
-  if current < tonumber(ARGV[i + 1]) then
+  local current = epoch_of(redis.call('HGET', KEYS[1], ARGV[i]) or '0')
+  if current and epoch_below(current, ARGV[i + 1]) then
     redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
   end
 end
@@ -130,7 +132,7 @@ impl Publisher {
         streams: &[String],
         epochs: &[(i32, i64)],
     ) -> Result<(), PublishError> {
-        let script = redis::Script::new(RAISE_FENCES);
+        let script = redis::Script::new(&format!("{}{RAISE_FENCES}", super::script::LUA_EPOCH));
         let mut c = self.conn.clone();
         for s in streams {
             let mut call = script.key(self.fence_key(s)?);

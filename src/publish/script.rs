@@ -7,6 +7,32 @@ use redis::{Cmd, Value};
 use super::entry::{FIXED, OPTIONAL, field};
 use super::{PublishError, StreamBatch, StreamOutcome};
 
+/// Epochs in fence hashes, for every script that reads them. A fence holds an epoch as the
+/// decimal digits the relay wrote, and the scripts compare epochs as such strings: Lua's numbers
+/// are doubles, exact only up to 2^53, and `tostring` writes 1e14 and above in exponent notation.
+/// `epoch_of(s)` is `s` without leading zeros when it is an epoch the database can still move
+/// past (`0 <= epoch < i64::MAX`), otherwise `nil`: a fence someone else wrote. `epoch_below(a,
+/// b)` compares two such strings (halves of at most ten digits are exact as numbers).
+pub(super) const LUA_EPOCH: &str = r"
+local function epoch_below(a, b)
+  if #a ~= #b then return #a < #b end
+  local cut = #a - 9
+  if cut > 0 then
+    local ah, bh = tonumber(string.sub(a, 1, cut)), tonumber(string.sub(b, 1, cut))
+    if ah ~= bh then return ah < bh end
+    return tonumber(string.sub(a, cut + 1)) < tonumber(string.sub(b, cut + 1))
+  end
+  return tonumber(a) < tonumber(b)
+end
+local function epoch_of(s)
+  if type(s) ~= 'string' or not string.find(s, '^%d+$') then return nil end
+  local t = (string.gsub(s, '^0+', ''))
+  if t == '' then return '0' end
+  if #t > 19 or not epoch_below(t, '9223372036854775807') then return nil end
+  return t
+end
+";
+
 /// KEYS[1]: fence hash, KEYS[2]: stream. ARGV[1]: partition, ARGV[2]: epoch, ARGV[3]: `1` when
 /// the stream is known to have been written before (its fence hash must exist), ARGV[4]: the
 /// call's deadline in Redis's milliseconds (`0`: none; `clock`), ARGV[5]: the newest entry id
@@ -26,9 +52,11 @@ use super::{PublishError, StreamBatch, StreamOutcome};
 /// Returns `{'late'}` when the call runs after its deadline (its node gave up on it: nothing is
 /// appended), `{'lost'}` when a known stream has no fence hash, or the partition's newest entry
 /// at Redis is older than ARGV[5] (Redis lost data: nothing is appended until the loss is
-/// handled), `{'fenced', current}` when a newer epoch is recorded;
-/// otherwise `{'ok', id...}`, or `{'error', message, id...}` when an `XADD` was refused after the
-/// listed ids were appended.
+/// handled), `{'badfence', value}` when the partition's field holds something that is not an
+/// epoch (its first 64 bytes), `{'badfence'}` when the fence is not a hash (nothing is appended
+/// until someone fixes it), `{'fenced', current}` when a newer epoch is recorded; otherwise
+/// `{'ok', id...}`, or `{'error', message, id...}` when an `XADD` was refused after the listed
+/// ids were appended.
 const LUA_FENCE: &str = r"
 local deadline = tonumber(ARGV[4])
 if deadline > 0 then
@@ -37,14 +65,24 @@ if deadline > 0 then
     return {'late'}
   end
 end
-local fence = redis.call('HGET', KEYS[1], ARGV[1])
-if not fence and ARGV[3] == '1' and redis.call('EXISTS', KEYS[1]) == 0 then
+local raw = redis.pcall('HGET', KEYS[1], ARGV[1])
+if type(raw) == 'table' and raw.err then
+  return {'badfence'}
+end
+if not raw and ARGV[3] == '1' and redis.call('EXISTS', KEYS[1]) == 0 then
   return {'lost'}
 end
-local current = tonumber(fence or '0')
-local epoch = tonumber(ARGV[2])
-if epoch >= 0 and current > epoch then
-  return {'fenced', tostring(current)}
+local current = '0'
+if raw then
+  current = epoch_of(raw)
+  if not current then
+    return {'badfence', string.sub(raw, 1, 64)}
+  end
+end
+local epoch = ARGV[2]
+local fenced = string.sub(epoch, 1, 1) ~= '-'
+if fenced and epoch_below(epoch, current) then
+  return {'fenced', current}
 end
 if ARGV[5] ~= '' then
   local kept = redis.call('HGET', KEYS[1], ARGV[1] .. ':last')
@@ -56,8 +94,8 @@ if ARGV[5] ~= '' then
     return {'lost'}
   end
 end
-if current < epoch then
-  redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+if fenced and epoch_below(current, epoch) then
+  redis.call('HSET', KEYS[1], ARGV[1], epoch)
 end
 local stream = KEYS[2]
 local out = {'ok'}
@@ -120,7 +158,7 @@ fn lua() -> String {
         "    i = j + 1".to_owned(),
         "  end".to_owned(),
     ]);
-    format!("{LUA_FENCE}{}{LUA_END}", lines.join("\n"))
+    format!("{LUA_EPOCH}{LUA_FENCE}{}{LUA_END}", lines.join("\n"))
 }
 
 static SCRIPT: LazyLock<(String, redis::Script)> = LazyLock::new(|| {
@@ -191,8 +229,8 @@ pub(super) fn text(v: &Value) -> Option<String> {
     }
 }
 
-/// Reads the script's reply.
-pub(super) fn parse_reply(v: Value) -> Result<StreamOutcome, PublishError> {
+/// Reads the script's reply to a call fenced by `fence`.
+pub(super) fn parse_reply(v: Value, fence: &str) -> Result<StreamOutcome, PublishError> {
     let bad = || PublishError::event("PROTOCOL", "unexpected reply from the publish script");
     let Value::Array(items) = v else {
         return Err(bad());
@@ -204,6 +242,10 @@ pub(super) fn parse_reply(v: Value) -> Result<StreamOutcome, PublishError> {
         Some("late") => Ok(StreamOutcome::Failed {
             ids: Vec::new(),
             error: PublishError::late(),
+        }),
+        Some("badfence") => Ok(StreamOutcome::BadFence {
+            fence: fence.to_owned(),
+            value: it.next().and_then(text),
         }),
         Some("fenced") => {
             let current = it

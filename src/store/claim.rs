@@ -60,8 +60,8 @@ pub struct LeaseRef {
     pub epoch: i64,
 }
 
-/// A row that failed permanently for its own reasons (wrong key type at its stream, too large,
-/// unroutable): it counts an attempt and holds back the rest of its aggregate.
+/// A row that failed for its own reasons (wrong key type at its stream, too large, unroutable, an
+/// error Outpost does not know): it counts an attempt and holds back the rest of its aggregate.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FailedEvent {
     /// Outbox row id.
@@ -79,6 +79,9 @@ pub struct FailedEvent {
     pub error: String,
     /// Delay before the next attempt, in milliseconds.
     pub retry_in_ms: i64,
+    /// The row can never be published as it is: quarantined at this attempt, whatever
+    /// `max_attempts` allows.
+    pub unpublishable: bool,
 }
 
 /// What became of a claimed batch.
@@ -345,8 +348,9 @@ impl Store {
     ///
     /// Published rows become `published` (or are deleted when `delete_published`); rows with no
     /// destination become `no_destination`; failed rows count an attempt and become `retry_wait`,
-    /// or `quarantined` once `max_attempts` is reached, and their aggregates' later rows become
-    /// `held`. Aggregates in `unblocked` have their held rows made `pending` again.
+    /// or `quarantined` once `max_attempts` is reached (at once when
+    /// [`FailedEvent::unpublishable`]), and their aggregates' later rows become `held`.
+    /// Aggregates in `unblocked` have their held rows made `pending` again.
     pub async fn record_batch(
         &self,
         lease: &LeaseRef,
@@ -676,18 +680,21 @@ async fn record_failures<C: ConnectionTrait>(
     let row_ids: Vec<i64> = failed.iter().map(|f| f.id).collect();
     let errors: Vec<&str> = failed.iter().map(|f| f.error.as_str()).collect();
     let delays: Vec<i64> = failed.iter().map(|f| f.retry_in_ms).collect();
+    let at_once: Vec<bool> = failed.iter().map(|f| f.unpublishable).collect();
     let outcome = txn
         .query_all_raw(stmt(
             "UPDATE outpost_event e SET attempts = e.attempts + 1, last_error = v.err, \
-               status = CASE WHEN e.attempts + 1 >= $4 THEN 'quarantined' ELSE 'retry_wait' END, \
+               status = CASE WHEN v.at_once OR e.attempts + 1 >= $4 \
+                 THEN 'quarantined' ELSE 'retry_wait' END, \
                next_attempt_at = now() + v.delay * interval '1 millisecond' \
-             FROM unnest($1::int8[], $2::text[], $3::int8[]) AS v(id, err, delay) \
+             FROM unnest($1::int8[], $2::text[], $3::int8[], $5::bool[]) AS v(id, err, delay, at_once) \
              WHERE e.id = v.id RETURNING e.status",
             [
                 num_array(&row_ids).into(),
                 text_array(&errors).into(),
                 num_array(&delays).into(),
                 i32::try_from(max_attempts).unwrap_or(i32::MAX).into(),
+                num_array(&at_once).into(),
             ],
         ))
         .await

@@ -807,3 +807,20 @@ pub async fn operator_token(db: &TestDb, name: &str) -> String {
         .unwrap()
         .token
 }
+
+/// A stream entry of the `seq`th event (event id `e<seq>`) of aggregate `kind`/`a`, with an empty
+/// payload: for tests that publish without a database.
+pub fn plain_entry(seq: i64) -> outpost::publish::Entry {
+    outpost::publish::Entry::new(outpost::publish::Message {
+        event_id: format!("e{seq}"),
+        event_type: "t".to_owned(),
+        aggregate_type: "kind".to_owned(),
+        aggregate_id: "a".to_owned(),
+        aggregate_seq: seq,
+        schema_version: "1".to_owned(),
+        time: "2026-12-03T00:00:00Z".to_owned(),
+        payload: "{}".to_owned(),
+        headers: "{}".to_owned(),
+    })
+    .expect("a plain entry encodes")
+}

@@ -29,7 +29,8 @@ pub enum EventState {
     RetryWait,
     /// Waiting behind an earlier failing event of its aggregate.
     Held,
-    /// Failed `relay.max_attempts` times: a dead letter.
+    /// Failed `relay.max_attempts` times, or once for a reason that can never pass: a dead
+    /// letter.
     Quarantined,
     /// Given up on by an operator.
     Discarded,
