@@ -61,7 +61,7 @@ async fn hget(conn: &mut redis::aio::MultiplexedConnection, key: &str, field: i3
 }
 
 /// The value of a counter without labels on the node's `/metrics` (0 before its first increase).
-async fn counter(node: &outpost::dispatch::node::NodeHandle, name: &str) -> f64 {
+async fn counter(node: &outpost::app::NodeHandle, name: &str) -> f64 {
     let (_, text) = support::http_get(&node.admin_addr().to_string(), "/metrics").await;
     text.lines()
         .filter_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
@@ -89,7 +89,7 @@ fn order(aggregate: &str, n: i64) -> EventFact {
 /// A node with the first event of an aggregate of partition [`SPOILT`] published, so that the
 /// stream and its fence exist: the node, a connection, the aggregate and the fence key.
 struct Started {
-    node: outpost::dispatch::node::NodeHandle,
+    node: outpost::app::NodeHandle,
     conn: redis::aio::MultiplexedConnection,
     spoilt: String,
     fence: String,
