@@ -11,12 +11,13 @@ use actix::prelude::*;
 use tokio::sync::oneshot;
 
 use crate::config::Config;
-use crate::dispatch::batch::{LeaseDeadline, RelaySettings, Shared, Worker};
+use crate::dispatch::batch::{LeaseDeadline, Shared, Worker};
 use crate::dispatch::cursor::Cursors;
 use crate::dispatch::housekeeping;
 use crate::dispatch::ratelimit::RateLimits;
 use crate::dispatch::redis_loss;
 use crate::dispatch::route::Router;
+use crate::dispatch::settings::RelaySettings;
 use crate::dispatch::streams::StreamBook;
 use crate::dispatch::supervisor::{NodeSupervisor, OwnedPartitions, Shutdown, SupervisorSettings};
 use crate::dispatch::wakeup::WakePolicy;

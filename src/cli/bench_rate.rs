@@ -20,10 +20,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use clap::Args;
 
-use super::bench_relay::{
-    Load, delete_prefix_keys, preload, preload_more, print_run_header, stream_entries,
-};
+use super::bench_relay::{Load, preload, preload_more, print_run_header, stream_entries};
 use super::scratch::Scratch;
+use super::scratch::delete_prefix_keys;
 use crate::app::{self, NodeHandle};
 use crate::config::{Config, Secret};
 use crate::store::Store;

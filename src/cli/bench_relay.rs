@@ -19,7 +19,7 @@ use redis::aio::MultiplexedConnection;
 
 use super::bench_latency::{self, Arrivals, Percentiles};
 use super::bench_poll::{self, OverviewPoller};
-use super::scratch::Scratch;
+use super::scratch::{Scratch, delete_prefix_keys, redis_conn, scan_keys};
 use crate::app::{self, NodeHandle};
 use crate::config::{Config, Secret};
 use crate::produce::load::{Committed, LoadReport, LoadSpec, WriteTarget, run_load};
@@ -1508,15 +1508,6 @@ pub(super) fn command_line() -> String {
 // -------------------------------------------------------------------------------------------
 // Redis
 
-pub(super) async fn redis_conn(client: &redis::Client) -> anyhow::Result<MultiplexedConnection> {
-    let config =
-        redis::AsyncConnectionConfig::new().set_response_timeout(Some(Duration::from_secs(60)));
-    client
-        .get_multiplexed_async_connection_with_config(&config)
-        .await
-        .context("connecting to Redis")
-}
-
 /// The text of `INFO <section>`.
 pub(super) async fn info(
     conn: &mut MultiplexedConnection,
@@ -1530,29 +1521,6 @@ pub(super) fn info_field<'a>(info: &'a str, field: &str) -> Option<&'a str> {
     info.lines()
         .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
         .map(str::trim)
-}
-
-async fn scan_keys(conn: &mut MultiplexedConnection, pattern: &str) -> anyhow::Result<Vec<String>> {
-    let mut keys = Vec::new();
-    let mut cursor = 0u64;
-    loop {
-        let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("MATCH")
-            .arg(pattern)
-            .arg("COUNT")
-            .arg(1000)
-            .query_async(conn)
-            .await?;
-        keys.extend(batch);
-        if next == 0 {
-            break;
-        }
-        cursor = next;
-    }
-    keys.sort();
-    keys.dedup();
-    Ok(keys)
 }
 
 /// Truncates the outbox and writes `events` events through the producer API, then
@@ -1668,16 +1636,4 @@ pub(super) async fn stream_entries(
         }
     }
     Ok(total)
-}
-
-/// Deletes every key under `prefix` (SCAN + DEL).
-pub(super) async fn delete_prefix_keys(
-    conn: &mut MultiplexedConnection,
-    prefix: &str,
-) -> anyhow::Result<()> {
-    let keys = scan_keys(conn, &format!("{prefix}*")).await?;
-    for chunk in keys.chunks(500) {
-        let _: u64 = redis::cmd("DEL").arg(chunk).query_async(conn).await?;
-    }
-    Ok(())
 }

@@ -3,10 +3,11 @@
 //! of its own (`bench:<random>:`, whose keys are deleted at the end), never the configured
 //! database or keys.
 
+use std::time::Duration;
+
 use anyhow::Context;
 use redis::aio::MultiplexedConnection;
 
-use super::bench_relay::{delete_prefix_keys, redis_conn};
 use crate::config::Config;
 use crate::store::{self, ConnectSettings, Store, admin};
 
@@ -87,4 +88,52 @@ pub(super) async fn until_interrupted(
     };
     store.connection().clone().close().await.ok();
     outcome
+}
+
+/// A connection whose replies may take a minute (benchmarks send large commands).
+pub(super) async fn redis_conn(client: &redis::Client) -> anyhow::Result<MultiplexedConnection> {
+    let config =
+        redis::AsyncConnectionConfig::new().set_response_timeout(Some(Duration::from_secs(60)));
+    client
+        .get_multiplexed_async_connection_with_config(&config)
+        .await
+        .context("connecting to Redis")
+}
+
+pub(super) async fn scan_keys(
+    conn: &mut MultiplexedConnection,
+    pattern: &str,
+) -> anyhow::Result<Vec<String>> {
+    let mut keys = Vec::new();
+    let mut cursor = 0u64;
+    loop {
+        let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(pattern)
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(conn)
+            .await?;
+        keys.extend(batch);
+        if next == 0 {
+            break;
+        }
+        cursor = next;
+    }
+    keys.sort();
+    keys.dedup();
+    Ok(keys)
+}
+
+/// Deletes every key under `prefix` (SCAN + DEL).
+pub(super) async fn delete_prefix_keys(
+    conn: &mut MultiplexedConnection,
+    prefix: &str,
+) -> anyhow::Result<()> {
+    let keys = scan_keys(conn, &format!("{prefix}*")).await?;
+    for chunk in keys.chunks(500) {
+        let _: u64 = redis::cmd("DEL").arg(chunk).query_async(conn).await?;
+    }
+    Ok(())
 }

@@ -16,30 +16,12 @@ use metrics::{counter, histogram};
 use super::cursor::{Claimed, Cursors, Pass};
 use super::ratelimit::{RateLimits, Refused};
 use super::route::{Route, Router};
+use super::settings::RelaySettings;
 use super::settle::{Origin, PartitionCalls, Settlement, failure, settle};
 use super::streams::StreamBook;
 use crate::metrics as m;
 use crate::publish::{Entry, Message, PublishError, Publisher, StreamBatch, StreamOutcome};
 use crate::store::{BatchResult, ClaimedEvent, LeaseRef, Store, StoreError};
-
-/// Relay settings every batch uses.
-#[derive(Debug, Clone)]
-pub struct RelaySettings {
-    /// Rows per claim.
-    pub batch_rows: u32,
-    /// Payload and header bytes per claim.
-    pub batch_bytes: u64,
-    /// Attempts before quarantine.
-    pub max_attempts: u32,
-    /// First retry delay of a failing event.
-    pub backoff_base: Duration,
-    /// Longest retry delay of a failing event.
-    pub backoff_max: Duration,
-    /// Delete published rows instead of marking them.
-    pub delete_published: bool,
-    /// Largest payload (bytes) the relay publishes; larger rows are refused as `OVERSIZE`.
-    pub max_payload_bytes: usize,
-}
 
 /// The instant until which this node may still publish: its last lease renewal plus the lease
 /// time minus a safety margin, on the monotonic clock. Shared by all partitions of a node.

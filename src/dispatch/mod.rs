@@ -11,6 +11,7 @@ pub mod partition;
 pub mod ratelimit;
 pub mod redis_loss;
 pub mod route;
+pub mod settings;
 mod settle;
 pub mod streams;
 pub mod supervisor;

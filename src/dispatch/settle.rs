@@ -11,7 +11,7 @@
 
 use std::time::Duration;
 
-use super::batch::RelaySettings;
+use super::settings::RelaySettings;
 use crate::publish::{ErrorClass, PublishError, StreamBatch, StreamOutcome, parse_entry_id};
 use crate::store::{BatchResult, FailedEvent};
 

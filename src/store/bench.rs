@@ -162,7 +162,7 @@ impl Store {
         oldest: Option<u64>,
         secs: u64,
     ) -> Result<u64, StoreError> {
-        let columns = super::claim::PUBLISHED_COLUMNS;
+        let columns = super::sql::PUBLISHED_COLUMNS;
         let limit = oldest.map_or_else(|| "ALL".to_owned(), |n| n.to_string());
         let res = self
             .connection()

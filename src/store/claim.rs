@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use sea_orm::{ConnectionTrait, TransactionTrait, Value};
 
 use super::positions::{position_arrays, record_positions, record_positions_sql};
-use super::sql::{num_array, text_array};
+use super::sql::{PUBLISHED_COLUMNS, num_array, text_array};
 use super::{Store, StoreError, stmt};
 
 /// A row claimed for publishing.
@@ -562,12 +562,6 @@ fn claimed_event(r: &sea_orm::QueryResult) -> Result<ClaimedEvent, StoreError> {
         undecodable: (!problems.is_empty()).then(|| problems.join("; ")),
     })
 }
-
-/// The columns an event keeps in `outpost_published`, but for the two the mark adds
-/// (`published_at`, `stream_id`).
-pub(super) const PUBLISHED_COLUMNS: &str = "id, event_id, aggregate_type, aggregate_id, \
-     aggregate_seq, aggregate_version, event_type, schema_version, occurred_at, recorded_at, \
-     payload, headers, destination, partition, txid, attempts";
 
 /// The statement of [`Store::mark_published_many`], built once per mode.
 fn mark_many_sql(delete_published: bool) -> &'static str {

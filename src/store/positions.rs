@@ -282,7 +282,7 @@ impl Store {
             txn.execute_raw(stmt(FILLED_BY_OUTPOST_ON, []))
                 .await
                 .map_err(StoreError::from_db)?;
-            let columns = super::claim::PUBLISHED_COLUMNS
+            let columns = super::sql::PUBLISHED_COLUMNS
                 .split(", ")
                 .map(|c| if c == "txid" { "txid_current()" } else { c })
                 .collect::<Vec<_>>()
@@ -299,7 +299,7 @@ impl Store {
                        RETURNING p.*) \
                      INSERT INTO outpost_event ({}, status, next_attempt_at) \
                      SELECT {columns}, 'pending', now() FROM back",
-                        super::claim::PUBLISHED_COLUMNS
+                        super::sql::PUBLISHED_COLUMNS
                     ),
                     after_cut(),
                 ))

@@ -51,3 +51,9 @@ mod tests {
         );
     }
 }
+
+/// The columns an event keeps in `outpost_published`, but for the two the mark adds
+/// (`published_at`, `stream_id`).
+pub(super) const PUBLISHED_COLUMNS: &str = "id, event_id, aggregate_type, aggregate_id, \
+     aggregate_seq, aggregate_version, event_type, schema_version, occurred_at, recorded_at, \
+     payload, headers, destination, partition, txid, attempts";

@@ -710,7 +710,8 @@ pub async fn worker_for(
     max_attempts: u32,
     extra: &[(&str, &str)],
 ) -> outpost::dispatch::batch::Worker {
-    use outpost::dispatch::batch::{LeaseDeadline, RelaySettings, Shared, Worker};
+    use outpost::dispatch::batch::{LeaseDeadline, Shared, Worker};
+    use outpost::dispatch::settings::RelaySettings;
     let config = relay_config_for(db, redis, "n1", extra);
     let publisher = outpost::publish::Publisher::connect(&outpost::publish::RedisSettings {
         url: redis_url(),
