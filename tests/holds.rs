@@ -65,6 +65,7 @@ fn failed(id: i64, seq: i64) -> FailedEvent {
         code: "WRONGTYPE".to_owned(),
         error: "WRONGTYPE Operation against a key holding the wrong kind of value".to_owned(),
         retry_in_ms: 60_000,
+        give_up: false,
     }
 }
 

@@ -40,6 +40,7 @@ mod m20261206_000010_insert_fixes;
 mod m20261206_000011_stream_positions;
 mod m20261206_000012_owned_columns;
 mod m20261206_000013_operator_surface;
+mod m20261207_000014_payload_limit;
 
 /// The ordered list of Outpost's migrations, recorded in `outpost_migrations`.
 #[derive(Debug)]
@@ -62,6 +63,7 @@ impl MigratorTrait for Migrator {
             Box::new(m20261206_000011_stream_positions::Migration),
             Box::new(m20261206_000012_owned_columns::Migration),
             Box::new(m20261206_000013_operator_surface::Migration),
+            Box::new(m20261207_000014_payload_limit::Migration),
         ]
     }
 

@@ -37,8 +37,6 @@ pub struct RelaySettings {
     pub backoff_max: Duration,
     /// Delete published rows instead of marking them.
     pub delete_published: bool,
-    /// Largest payload (bytes) the relay publishes; larger rows are refused as `OVERSIZE`.
-    pub max_payload_bytes: usize,
 }
 
 /// The instant until which this node may still publish: its last lease renewal plus the lease
@@ -195,6 +193,21 @@ impl Plan {
     ) {
         let failed = failure(settings, &mut rand::rng(), origin, aggregate, error);
         self.result.failed.push(failed);
+    }
+
+    /// Records the failure of `origin`'s row with an error that can never go away: the row is
+    /// quarantined at once.
+    fn give_up(
+        &mut self,
+        settings: &RelaySettings,
+        origin: &Origin,
+        aggregate: (&str, &str),
+        error: &PublishError,
+    ) {
+        self.fail(settings, origin, aggregate, error);
+        if let Some(failed) = self.result.failed.last_mut() {
+            failed.give_up = true;
+        }
     }
 }
 
@@ -936,6 +949,20 @@ fn plan(
             attempts: row.attempts,
             recorded_at: row.recorded_at,
         };
+        if let Some(size) = row.oversize {
+            let err = PublishError::event(
+                "OVERSIZE",
+                format!(
+                    "OVERSIZE payload of {size} bytes as JSON text is over the limit of {} \
+                     bytes (outpost_max_payload_bytes()) and can never be published: store \
+                     large content elsewhere and put its reference in the event",
+                    crate::store::MAX_PAYLOAD_BYTES
+                ),
+            );
+            plan.give_up(settings, &origin, aggregate, &err);
+            aggregates.insert(key, None);
+            continue;
+        }
         if let Some(why) = &row.undecodable {
             let err = PublishError::event(
                 "UNDECODABLE",
@@ -1017,19 +1044,6 @@ fn plan(
             continue;
         }
         entries += 1;
-        let size = row.payload.len() + row.headers.len();
-        if row.payload.len() > settings.max_payload_bytes {
-            let err = PublishError::event(
-                "OVERSIZE",
-                format!(
-                    "OVERSIZE payload of {size} bytes is over producer.max_payload_bytes ({})",
-                    settings.max_payload_bytes
-                ),
-            );
-            plan.fail(settings, &origin, aggregate, &err);
-            aggregates.insert(key, None);
-            continue;
-        }
         let message = Message {
             event_id: row.event_id.to_string(),
             event_type: row.event_type,

@@ -234,7 +234,6 @@ async fn boot(config: Config) -> Result<Booted, NodeError> {
             backoff_base: config.relay.backoff_base(),
             backoff_max: config.relay.backoff_max(),
             delete_published: config.relay.delete_published,
-            max_payload_bytes: config.producer.max_payload_bytes,
         },
         deadline: LeaseDeadline::new(),
         streams: StreamBook::default(),

@@ -192,6 +192,7 @@ pub(super) fn failure(
             format!("{} {error}", error.code())
         },
         retry_in_ms: i64::try_from(delay.as_millis()).unwrap_or(i64::MAX),
+        give_up: false,
     }
 }
 
@@ -213,7 +214,6 @@ mod tests {
             backoff_base: Duration::from_millis(100),
             backoff_max: Duration::from_secs(10),
             delete_published: false,
-            max_payload_bytes: 1 << 18,
         }
     }
 

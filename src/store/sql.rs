@@ -2,7 +2,7 @@
 
 use std::fmt::Display;
 
-/// A Postgres array literal of numbers, e.g. `{1,2,3}` (bind it as text and cast).
+/// A Postgres array literal of numbers or booleans, e.g. `{1,2,3}` (bind it as text and cast).
 pub(super) fn num_array<T: Display>(values: &[T]) -> String {
     let mut s = String::with_capacity(values.len() * 8 + 2);
     s.push('{');
