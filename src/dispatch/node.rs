@@ -335,6 +335,7 @@ async fn boot(config: Config) -> Result<Booted, NodeError> {
         ));
     }
     actix::spawn(housekeeping::storage_metrics(store.clone()));
+    actix::spawn(crate::metrics::upkeep(crate::metrics::UPKEEP_EVERY));
 
     let listen = config
         .admin
