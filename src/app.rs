@@ -228,7 +228,6 @@ async fn boot(config: Config) -> Result<Booted, NodeError> {
             backoff_base: config.relay.backoff_base(),
             backoff_max: config.relay.backoff_max(),
             delete_published: config.relay.delete_published,
-            max_payload_bytes: config.producer.max_payload_bytes,
         },
         deadline: LeaseDeadline::new(),
         streams: StreamBook::default(),
@@ -330,6 +329,7 @@ async fn boot(config: Config) -> Result<Booted, NodeError> {
         ));
     }
     actix::spawn(housekeeping::storage_metrics(store.clone()));
+    actix::spawn(crate::metrics::upkeep(crate::metrics::UPKEEP_EVERY));
 
     let listen = config
         .admin

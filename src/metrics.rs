@@ -4,6 +4,7 @@
 //! aggregate names. Every metric is described here so `/metrics` explains itself.
 
 use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
@@ -166,6 +167,33 @@ pub fn install() -> Option<PrometheusHandle> {
             Some(handle)
         })
         .clone()
+}
+
+/// Upkeeps run by [`upkeep`] in this process.
+static UPKEEPS: AtomicU64 = AtomicU64::new(0);
+
+/// How many times [`upkeep`] has folded the histograms' samples in this process.
+pub fn upkeeps() -> u64 {
+    UPKEEPS.load(Ordering::Relaxed)
+}
+
+/// How often a node runs the exporter's upkeep.
+pub const UPKEEP_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Runs the exporter's upkeep every `every`, for as long as the task lives (a task of the
+/// node's actix system). Histograms keep every sample in memory until they are folded into
+/// their buckets, which a scrape of `/metrics` or the upkeep does: without it, a node nobody
+/// scrapes would grow by a few bytes per sample for ever. Returns at once when another recorder
+/// than Outpost's is installed (its owner keeps it).
+pub async fn upkeep(every: std::time::Duration) {
+    let Some(handle) = install() else {
+        return;
+    };
+    loop {
+        tokio::time::sleep(every).await;
+        handle.run_upkeep();
+        UPKEEPS.fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 fn describe() {

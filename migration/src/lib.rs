@@ -41,6 +41,7 @@ mod m20261206_000011_stream_positions;
 mod m20261206_000012_owned_columns;
 mod m20261206_000013_operator_surface;
 mod m20261207_000014_inbox_by_aggregate;
+mod m20261207_000015_payload_limit;
 
 /// The ordered list of Outpost's migrations, recorded in `outpost_migrations`.
 #[derive(Debug)]
@@ -64,6 +65,7 @@ impl MigratorTrait for Migrator {
             Box::new(m20261206_000012_owned_columns::Migration),
             Box::new(m20261206_000013_operator_surface::Migration),
             Box::new(m20261207_000014_inbox_by_aggregate::Migration),
+            Box::new(m20261207_000015_payload_limit::Migration),
         ]
     }
 

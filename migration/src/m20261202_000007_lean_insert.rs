@@ -38,7 +38,7 @@
 use sea_orm_migration::prelude::*;
 
 use crate::m20261201_000001_outbox::nudge_trigger;
-use crate::m20261202_000006_insert_checks::{row_rules, rules_trigger};
+use crate::m20261202_000006_insert_checks::rules_trigger;
 
 sql_migration!();
 
@@ -119,11 +119,10 @@ $$;
 }
 pub(crate) use before_insert_function;
 
-const UP: &str = concat!(
-    r#"
--- True exactly when a row keeps every rule of outpost_event_check_rules, in one expression that
--- PostgreSQL inlines where it is called (false or NULL otherwise).
-CREATE FUNCTION outpost_event_row_ok(p_aggregate_type text, p_aggregate_id text,
+/// The function of the rules' one test, as this migration creates it.
+macro_rules! row_ok_function {
+    () => {
+        r#"CREATE FUNCTION outpost_event_row_ok(p_aggregate_type text, p_aggregate_id text,
                                      p_event_type text, p_schema_version text, p_payload jsonb,
                                      p_headers jsonb, p_destination text) RETURNS boolean
 LANGUAGE sql STABLE PARALLEL SAFE AS $$
@@ -144,10 +143,16 @@ LANGUAGE sql STABLE PARALLEL SAFE AS $$
        AND (p_destination IS NULL
             OR (length(p_destination) BETWEEN 1 AND 512 AND p_destination !~ '[[:cntrl:]]'))
 $$;
+"#
+    };
+}
+pub(crate) use row_ok_function;
 
--- The row rules one by one: raises the error of the rule a row breaks, and returns true when it
--- breaks none. Called only for a row that outpost_event_row_ok did not pass.
-CREATE FUNCTION outpost_event_check_rules(p_aggregate_type text, p_aggregate_id text,
+/// The function of the rules one by one, as this migration creates it.
+macro_rules! check_rules_function {
+    () => {
+        concat!(
+            r#"CREATE FUNCTION outpost_event_check_rules(p_aggregate_type text, p_aggregate_id text,
                                           p_event_type text, p_schema_version text,
                                           p_payload jsonb, p_headers jsonb, p_destination text)
 RETURNS boolean
@@ -164,12 +169,28 @@ BEGIN
     new.headers := p_headers;
     new.destination := p_destination;
 "#,
-    row_rules!(),
-    r#"    RETURN true;
+            $crate::m20261202_000006_insert_checks::row_rules!(),
+            r#"    RETURN true;
 END
 $$;
+"#
+        )
+    };
+}
+pub(crate) use check_rules_function;
 
+const UP: &str = concat!(
+    r#"
+-- True exactly when a row keeps every rule of outpost_event_check_rules, in one expression that
+-- PostgreSQL inlines where it is called (false or NULL otherwise).
 "#,
+    row_ok_function!(),
+    r#"
+-- The row rules one by one: raises the error of the rule a row breaks, and returns true when it
+-- breaks none. Called only for a row that outpost_event_row_ok did not pass.
+"#,
+    check_rules_function!(),
+    "\n",
     before_insert_function!("v_nudge"),
     r#"-- A row that comes with its own transaction's id is left as it is: the producer API's statement
 -- for many events writes it, having taken the aggregates' locks, drawn the sequences and ids,

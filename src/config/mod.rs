@@ -293,7 +293,8 @@ impl AdminConfig {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct ProducerConfig {
-    /// Largest accepted event payload in bytes, 1..=1048576.
+    /// Largest accepted event payload in bytes, 1..=262144: the producer API's own check, which
+    /// may only lower the database's limit (`store::MAX_PAYLOAD_BYTES`).
     pub max_payload_bytes: usize,
     /// Largest accepted headers in bytes, 1..=65536.
     pub max_header_bytes: usize,
@@ -302,7 +303,7 @@ pub struct ProducerConfig {
 impl Default for ProducerConfig {
     fn default() -> Self {
         Self {
-            max_payload_bytes: 262_144,
+            max_payload_bytes: crate::store::MAX_PAYLOAD_BYTES,
             max_header_bytes: 8192,
         }
     }
@@ -314,7 +315,8 @@ impl Default for ProducerConfig {
 pub struct RelayConfig {
     /// Rows claimed per batch, 1..=10000.
     pub batch_rows: u32,
-    /// Payload bytes per batch, 1024..=67108864.
+    /// Payload and header bytes per batch, as the relay loads them (JSON text, uncompressed),
+    /// 1024..=67108864.
     pub batch_bytes: usize,
     /// Batches a worker runs at once (claim to mark); bounds memory and database concurrency.
     pub max_in_flight: u32,

@@ -132,7 +132,14 @@ pub(crate) const FIELDS: &[Field] = &[
     uint("admin", "burst", 1, 100_000, "requests"),
     uint("admin", "max_body_bytes", 1024, 16_777_216, "bytes"),
     field("admin", "cookie_secure", Kind::Bool),
-    uint("producer", "max_payload_bytes", 1, 1_048_576, "bytes"),
+    // At most the database's limit, which no configuration raises.
+    uint(
+        "producer",
+        "max_payload_bytes",
+        1,
+        crate::store::MAX_PAYLOAD_BYTES as u64,
+        "bytes",
+    ),
     uint("producer", "max_header_bytes", 1, 65_536, "bytes"),
     uint("relay", "batch_rows", 1, 10_000, "rows"),
     uint("relay", "batch_bytes", 1024, 67_108_864, "bytes"),

@@ -935,6 +935,20 @@ fn plan(
             attempts: row.attempts,
             recorded_at: row.recorded_at,
         };
+        if let Some(size) = row.oversize {
+            let err = PublishError::event(
+                "OVERSIZE",
+                format!(
+                    "OVERSIZE payload of {size} bytes as JSON text is over the limit of {} \
+                     bytes (outpost_max_payload_bytes()) and can never be published: store \
+                     large content elsewhere and put its reference in the event",
+                    crate::store::MAX_PAYLOAD_BYTES
+                ),
+            );
+            plan.fail(settings, &origin, aggregate, &err);
+            aggregates.insert(key, None);
+            continue;
+        }
         if let Some(why) = &row.undecodable {
             let err = PublishError::event(
                 "UNDECODABLE",
@@ -1016,19 +1030,6 @@ fn plan(
             continue;
         }
         entries += 1;
-        let size = row.payload.len() + row.headers.len();
-        if row.payload.len() > settings.max_payload_bytes {
-            let err = PublishError::event(
-                "OVERSIZE",
-                format!(
-                    "OVERSIZE payload of {size} bytes is over producer.max_payload_bytes ({})",
-                    settings.max_payload_bytes
-                ),
-            );
-            plan.fail(settings, &origin, aggregate, &err);
-            aggregates.insert(key, None);
-            continue;
-        }
         let message = Message {
             event_id: row.event_id.to_string(),
             event_type: row.event_type,

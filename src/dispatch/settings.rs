@@ -17,6 +17,4 @@ pub struct RelaySettings {
     pub backoff_max: Duration,
     /// Delete published rows instead of marking them.
     pub delete_published: bool,
-    /// Largest payload (bytes) the relay publishes; larger rows are refused as `OVERSIZE`.
-    pub max_payload_bytes: usize,
 }

@@ -221,7 +221,6 @@ mod tests {
             backoff_base: Duration::from_millis(100),
             backoff_max: Duration::from_secs(10),
             delete_published: false,
-            max_payload_bytes: 1 << 18,
         }
     }
 

@@ -14,8 +14,8 @@ use crate::store::NewEventRow;
 /// Size limits applied by the producer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Limits {
-    /// Largest encoded payload, in bytes (`producer.max_payload_bytes`; the schema's hard cap is
-    /// 1 MiB).
+    /// Largest encoded payload, in bytes (`producer.max_payload_bytes`; the database's limit,
+    /// [`crate::store::MAX_PAYLOAD_BYTES`], is the most it may be).
     pub max_payload_bytes: usize,
     /// Largest encoded headers object, in bytes (`producer.max_header_bytes`).
     pub max_header_bytes: usize,
@@ -24,7 +24,7 @@ pub struct Limits {
 impl Default for Limits {
     fn default() -> Self {
         Self {
-            max_payload_bytes: 256 * 1024,
+            max_payload_bytes: crate::store::MAX_PAYLOAD_BYTES,
             max_header_bytes: 8 * 1024,
         }
     }

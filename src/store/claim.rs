@@ -13,6 +13,12 @@ use super::positions::{position_arrays, record_positions, record_positions_sql};
 use super::sql::{PUBLISHED_COLUMNS, num_array, text_array};
 use super::{Store, StoreError, stmt};
 
+/// The largest payload an event may have, in bytes of its JSON text as PostgreSQL writes it out:
+/// the database's limit, `outpost_max_payload_bytes()`, which its insert rule and the relay's
+/// claim apply (a test checks that the two agree). `producer.max_payload_bytes` may only lower it
+/// for the producer API's own check.
+pub const MAX_PAYLOAD_BYTES: usize = 262_144;
+
 /// A row claimed for publishing.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ClaimedEvent {
@@ -47,6 +53,10 @@ pub struct ClaimedEvent {
     /// Why a column the producer wrote could not be read (the row is then a failed event of its
     /// own aggregate, never a failed claim); the fields it concerns hold placeholders.
     pub undecodable: Option<String>,
+    /// The payload's size in bytes when it is over the database's limit
+    /// (`outpost_max_payload_bytes()`): the claim left the payload out (`payload` is `null`), and
+    /// the row is to be refused as `OVERSIZE`.
+    pub oversize: Option<u64>,
 }
 
 /// The lease under which results are recorded.
@@ -113,8 +123,11 @@ pub struct Recorded {
 impl Store {
     /// Ready rows of `partitions` in id order (which, within an aggregate, is sequence order),
     /// in one statement: for each partition at most `max_rows` rows and no more than
-    /// `max_bytes` of payload and headers (always at least one row, so an oversized event is
-    /// still seen and dealt with). Ordered by partition, then id.
+    /// `max_bytes` of payload and headers as the relay loads them, uncompressed (always at least
+    /// one row, so a large event is still seen and dealt with), and for the whole claim no more
+    /// than `max_bytes` times the number of partitions (but for its first row: a partition whose
+    /// large first row does not fit then gets nothing this time). A payload over the database's
+    /// limit is not loaded at all: see [`ClaimedEvent::oversize`]. Ordered by partition, then id.
     pub async fn claim_many(
         &self,
         partitions: &[i32],
@@ -131,7 +144,7 @@ impl Store {
                 [
                     num_array(partitions).into(),
                     i64::from(max_rows).into(),
-                    i64::try_from(max_bytes).unwrap_or(i64::MAX).into(),
+                    byte_bound(max_bytes).into(),
                 ],
             ))
             .await
@@ -167,7 +180,7 @@ impl Store {
                 [
                     num_array(&numbers).into(),
                     i64::from(max_rows).into(),
-                    i64::try_from(max_bytes).unwrap_or(i64::MAX).into(),
+                    byte_bound(max_bytes).into(),
                     num_array(&after).into(),
                 ],
             ))
@@ -179,13 +192,15 @@ impl Store {
             let event = claimed_event(row)?;
             let last_of_partition = rows
                 .get(i + 1)
-                .map(|next| next.try_get_by_index::<i32>(13))
+                .map(|next| next.try_get_by_index::<i32>(PARTITION_AT))
                 .transpose()
                 .map_err(StoreError::from_db)?
                 != Some(event.partition);
             if last_of_partition {
                 // Rows are in partition order: the partition's last row closes its count.
-                let read: i64 = row.try_get_by_index(14).map_err(StoreError::from_db)?;
+                let read: i64 = row
+                    .try_get_by_index(PARTITION_AT + 2)
+                    .map_err(StoreError::from_db)?;
                 let returned = events
                     .iter()
                     .rev()
@@ -225,13 +240,15 @@ impl Store {
                     num_array(partitions).into(),
                     (i64::from(cap) + 1).into(),
                     i64::from(max_rows).into(),
-                    i64::try_from(max_bytes).unwrap_or(i64::MAX).into(),
+                    byte_bound(max_bytes).into(),
                 ],
             ))
             .await
             .map_err(StoreError::from_db)?;
         let scanned: i64 = match rows.first() {
-            Some(r) => r.try_get_by_index(14).map_err(StoreError::from_db)?,
+            Some(r) => r
+                .try_get_by_index(PARTITION_AT + 2)
+                .map_err(StoreError::from_db)?,
             None => 0,
         };
         if scanned > i64::from(cap) {
@@ -256,7 +273,7 @@ impl Store {
             "outpost_explain_claim_{}",
             NEXT.fetch_add(1, Ordering::Relaxed)
         );
-        let bytes = i64::try_from(max_bytes).unwrap_or(i64::MAX);
+        let bytes = byte_bound(max_bytes);
         // The arguments are numbers formatted here, never text from outside.
         let (sql, args) = if polled {
             (
@@ -495,12 +512,56 @@ impl Store {
 
 /// The columns of a claimed row, in the order [`claimed_event`] reads them (the row is `w`).
 /// A time outside the years 1 to 9999 (a row written before the rule refused it) comes as
-/// NULL: it cannot be decoded, nor written into a stream entry.
+/// NULL: it cannot be decoded, nor written into a stream entry. A payload over the database's
+/// limit comes as NULL too, never read out: the relay refuses the row by its size (the last
+/// column) alone.
 const CLAIM_COLUMNS: &str = "w.id, w.event_id, w.aggregate_type, w.aggregate_id, \
      w.aggregate_seq, w.event_type, w.schema_version, \
      CASE WHEN w.occurred_at BETWEEN '0001-01-01 00:00:00+00' \
                                  AND '9999-12-31 23:59:59.999999+00' THEN w.occurred_at END, \
-     w.recorded_at, w.payload::text, w.headers::text, w.destination, w.attempts, w.partition";
+     w.recorded_at, \
+     CASE WHEN w.payload_bytes <= outpost_max_payload_bytes() THEN w.payload::text END, \
+     w.headers::text, w.destination, w.attempts, w.partition, w.payload_bytes";
+
+/// Where the partition is among [`CLAIM_COLUMNS`]; the payload's size follows it, and a
+/// statement's own figures (`read`, `scanned`) come after them.
+const PARTITION_AT: usize = 13;
+
+/// The bytes row `row` loads, for the claims' budget (`relay.batch_bytes`): its payload and
+/// headers as text, uncompressed, as the outbox's generated columns counted them when the row
+/// was written. Never the stored size: a compressible payload takes a hundredth of its size on
+/// disk.
+fn row_bytes(row: &str) -> String {
+    format!("{row}.payload_bytes + {row}.headers_bytes")
+}
+
+/// `max_bytes` as a claim's parameter: at most what times any number of partitions up to
+/// 65,536 still fits in a `bigint` (the whole claim's bound multiplies it), which no budget
+/// comes near.
+fn byte_bound(max_bytes: u64) -> i64 {
+    i64::try_from(max_bytes)
+        .unwrap_or(i64::MAX)
+        .min(i64::MAX >> 16)
+}
+
+/// A claim's statement around `rows`, the rows of each partition within its own bounds (`w.*`
+/// and the statement's figures): the claimed columns (then `extra`) of those rows in partition
+/// and id order, within the bytes of the whole claim, `per_partition` bytes (a parameter) times
+/// the number of partitions (`$1`), but for the first row, which is always claimed. Each
+/// partition's first row escapes its own byte bound (a large row must be seen to be dealt
+/// with); without this bound, a claim over many partitions whose first rows are all large would
+/// load all of them.
+fn within_claim(rows: &str, per_partition: &str, extra: &str) -> String {
+    format!(
+        "SELECT {CLAIM_COLUMNS}{extra} \
+         FROM (SELECT c.*, sum({}) OVER (ORDER BY c.partition, c.id) AS claimed \
+               FROM ({rows}) c) w \
+         WHERE w.claimed <= {per_partition} * cardinality($1::int4[]) OR w.claimed = {} \
+         ORDER BY w.partition, w.id",
+        row_bytes("c"),
+        row_bytes("w")
+    )
+}
 
 /// Decodes one claimed row. The columns the database fills in must decode (a failure is a
 /// broken database); a column the producer wrote that does not is noted in
@@ -508,6 +569,18 @@ const CLAIM_COLUMNS: &str = "w.id, w.event_id, w.aggregate_type, w.aggregate_id,
 fn claimed_event(r: &sea_orm::QueryResult) -> Result<ClaimedEvent, StoreError> {
     let g = StoreError::from_db;
     let mut problems: Vec<String> = Vec::new();
+    // A payload over the limit comes as NULL (the claim left it out): only its size is read.
+    let (payload, oversize) = match r.try_get_by_index::<Option<String>>(9) {
+        Ok(Some(p)) => (p, None),
+        Ok(None) => {
+            let size: i32 = r.try_get_by_index(PARTITION_AT + 1).map_err(g)?;
+            ("null".to_owned(), Some(u64::try_from(size).unwrap_or(0)))
+        }
+        Err(e) => {
+            problems.push(format!("payload: {e}"));
+            ("null".to_owned(), None)
+        }
+    };
     let mut lenient = |at: usize, column: &str| -> Option<String> {
         match r.try_get_by_index::<String>(at) {
             Ok(v) => Some(v),
@@ -519,7 +592,6 @@ fn claimed_event(r: &sea_orm::QueryResult) -> Result<ClaimedEvent, StoreError> {
     };
     let event_type = lenient(5, "event_type").unwrap_or_default();
     let schema_version = lenient(6, "schema_version").unwrap_or_default();
-    let payload = lenient(9, "payload").unwrap_or_else(|| "null".to_owned());
     let headers = lenient(10, "headers").unwrap_or_else(|| "{}".to_owned());
     let occurred_at: Option<chrono::DateTime<chrono::FixedOffset>> =
         r.try_get_by_index(7).map_err(g)?;
@@ -558,8 +630,9 @@ fn claimed_event(r: &sea_orm::QueryResult) -> Result<ClaimedEvent, StoreError> {
         headers,
         destination,
         attempts: r.try_get_by_index(12).map_err(g)?,
-        partition: r.try_get_by_index(13).map_err(g)?,
+        partition: r.try_get_by_index(PARTITION_AT).map_err(g)?,
         undecodable: (!problems.is_empty()).then(|| problems.join("; ")),
+        oversize,
     })
 }
 
@@ -789,12 +862,11 @@ fn claim_sql(after: bool) -> String {
     } else {
         ("", "", "unnest($1::int4[]) AS p(partition)", "")
     };
-    format!(
-        "SELECT {CLAIM_COLUMNS}{read} \
+    let rows = format!(
+        "SELECT w.* \
          FROM {from}, LATERAL ( \
            SELECT t.*, \
-                  sum(pg_column_size(t.payload) + pg_column_size(t.headers)) \
-                    OVER (ORDER BY t.id) AS running, \
+                  sum({}) OVER (ORDER BY t.id) AS running, \
                   row_number() OVER (ORDER BY t.id) AS n{count} \
            FROM (SELECT u.* FROM ( \
                    (SELECT e.* FROM outpost_event e \
@@ -807,9 +879,10 @@ fn claim_sql(after: bool) -> String {
                         AND e.next_attempt_at <= now() OFFSET 0) r \
                      ORDER BY r.id LIMIT $2)) u \
                  ORDER BY u.id LIMIT $2) t) w \
-         WHERE w.n = 1 OR w.running <= $3 \
-         ORDER BY w.partition, w.id"
-    )
+         WHERE w.n = 1 OR w.running <= $3",
+        row_bytes("t")
+    );
+    within_claim(&rows, "$3", read)
 }
 
 /// The statement of [`Store::claim_polled`]: `$1` partitions, `$2` rows scanned at most, `$3`
@@ -818,11 +891,11 @@ fn claim_polled_sql() -> &'static str {
     // The inner scan carries each row's payload as stored (a TOAST pointer for a large
     // one); only the rows within the bounds are read out as text.
     static SQL: LazyLock<String> = LazyLock::new(|| {
-        format!(
-            "SELECT {CLAIM_COLUMNS}, w.scanned \
+        let rows = format!(
+            "SELECT w.* \
              FROM (SELECT t.*, \
                           row_number() OVER (PARTITION BY t.partition ORDER BY t.id) AS n, \
-                          sum(pg_column_size(t.payload) + pg_column_size(t.headers)) \
+                          sum({}) \
                             OVER (PARTITION BY t.partition ORDER BY t.id) AS running, \
                           count(*) OVER () AS scanned \
                    FROM (SELECT u.* FROM ( \
@@ -837,9 +910,10 @@ fn claim_polled_sql() -> &'static str {
                                 AND e.next_attempt_at <= now() OFFSET 0) r \
                              ORDER BY r.partition, r.id LIMIT $2)) u \
                          ORDER BY u.partition, u.id LIMIT $2) t) w \
-             WHERE w.n <= $3 AND (w.n = 1 OR w.running <= $4) \
-             ORDER BY w.partition, w.id"
-        )
+             WHERE w.n <= $3 AND (w.n = 1 OR w.running <= $4)",
+            row_bytes("t")
+        );
+        within_claim(&rows, "$4", ", w.scanned")
     });
     &SQL
 }

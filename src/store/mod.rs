@@ -28,7 +28,7 @@ use sea_orm::{
     ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbBackend, Statement,
 };
 
-pub use claim::{BatchResult, ClaimedEvent, FailedEvent, LeaseRef, Recorded};
+pub use claim::{BatchResult, ClaimedEvent, FailedEvent, LeaseRef, MAX_PAYLOAD_BYTES, Recorded};
 pub use error::{DbErrorKind, StoreError, classify};
 pub use events::{InsertedEvent, NewEventRow, insert_events};
 pub use lease::{Lease, LeaseTick};

@@ -2,7 +2,7 @@
 
 use std::fmt::Display;
 
-/// A Postgres array literal of numbers, e.g. `{1,2,3}` (bind it as text and cast).
+/// A Postgres array literal of numbers or booleans, e.g. `{1,2,3}` (bind it as text and cast).
 pub(super) fn num_array<T: Display>(values: &[T]) -> String {
     let mut s = String::with_capacity(values.len() * 8 + 2);
     s.push('{');
@@ -37,6 +37,12 @@ pub(super) fn text_array(values: &[&str]) -> String {
     s
 }
 
+/// The columns an event keeps in `outpost_published`, but for the two the mark adds
+/// (`published_at`, `stream_id`).
+pub(super) const PUBLISHED_COLUMNS: &str = "id, event_id, aggregate_type, aggregate_id, \
+     aggregate_seq, aggregate_version, event_type, schema_version, occurred_at, recorded_at, \
+     payload, headers, destination, partition, txid, attempts";
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -51,9 +57,3 @@ mod tests {
         );
     }
 }
-
-/// The columns an event keeps in `outpost_published`, but for the two the mark adds
-/// (`published_at`, `stream_id`).
-pub(super) const PUBLISHED_COLUMNS: &str = "id, event_id, aggregate_type, aggregate_id, \
-     aggregate_seq, aggregate_version, event_type, schema_version, occurred_at, recorded_at, \
-     payload, headers, destination, partition, txid, attempts";

@@ -736,7 +736,6 @@ pub async fn worker_for(
             backoff_base: Duration::from_millis(5),
             backoff_max: Duration::from_millis(40),
             delete_published: false,
-            max_payload_bytes: 1 << 18,
         },
         deadline: LeaseDeadline::new(),
         streams: outpost::dispatch::streams::StreamBook::default(),
