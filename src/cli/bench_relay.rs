@@ -760,7 +760,7 @@ impl Bench<'_> {
                 );
             }
             delete_prefix_keys(&mut self.rconn.clone(), &self.prefix).await?;
-            Ok((report.events_per_sec(), seen.p99))
+            Ok((report.events_per_sec(), seen.p99.map(|s| s * 1000.0)))
         }
     }
 
