@@ -10,6 +10,7 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 
 use outpost::produce::{EventFact, Producer};
+use outpost::store::{Actor, Role, Selection};
 use rand::Rng;
 use sea_orm::{ConnectionTrait, DbBackend, Statement, TransactionTrait};
 use serde_json::json;
@@ -262,7 +263,33 @@ async fn poison_is_quarantined_and_holds_back_only_its_own_aggregates() {
         .query_async(&mut conn)
         .await
         .unwrap();
-    assert_eq!(db.store.release_aggregate("poison", "p0").await.unwrap(), 4);
+    let quarantined: uuid::Uuid = db
+        .store
+        .connection()
+        .query_one_raw(Statement::from_string(
+            DbBackend::Postgres,
+            "SELECT event_id FROM outpost_event WHERE status = 'quarantined' \
+             AND aggregate_type = 'poison' AND aggregate_id = 'p0'",
+        ))
+        .await
+        .unwrap()
+        .unwrap()
+        .try_get_by_index(0)
+        .unwrap();
+    let done = db
+        .store
+        .replay_events(
+            &Actor::new("relay-test", Role::Operator),
+            &Selection::Ids(vec![quarantined]),
+            "the stream was fixed",
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (done.events, done.released),
+        (1, 3),
+        "the poison and its 3 held successors"
+    );
     let d = wait_delivered(&redis, good.len() + 4, 60).await;
     assert_eq!(
         d.order.get(&("poison".to_owned(), "p0".to_owned())),

@@ -465,49 +465,6 @@ impl Store {
         txn.commit().await.map_err(StoreError::from_db)?;
         Ok(recorded)
     }
-
-    /// Releases a quarantined aggregate: its quarantined event goes back to `pending` with a
-    /// fresh attempt budget and its held successors follow, in order, all with their original
-    /// event ids. Returns the number of rows re-queued (0 when the aggregate was not held).
-    pub async fn release_aggregate(
-        &self,
-        aggregate_type: &str,
-        aggregate_id: &str,
-    ) -> Result<u64, StoreError> {
-        let txn = self
-            .connection()
-            .begin()
-            .await
-            .map_err(StoreError::from_db)?;
-        let blocked = txn
-            .query_one_raw(stmt(
-                "UPDATE outpost_aggregate SET blocked_seq = NULL \
-                 WHERE aggregate_type = $1 AND aggregate_id = $2 AND blocked_seq IS NOT NULL \
-                 RETURNING 1",
-                [aggregate_type.into(), aggregate_id.into()],
-            ))
-            .await
-            .map_err(StoreError::from_db)?;
-        if blocked.is_none() {
-            txn.rollback().await.map_err(StoreError::from_db)?;
-            return Ok(0);
-        }
-        // A new statement, so its snapshot includes rows committed while we waited for the
-        // aggregate's lock.
-        let res = txn
-            .execute_raw(stmt(
-                "UPDATE outpost_event SET status = 'pending', attempts = 0, \
-                   next_attempt_at = now(), last_error = CASE WHEN status = 'held' THEN NULL \
-                   ELSE last_error END \
-                 WHERE aggregate_type = $1 AND aggregate_id = $2 \
-                   AND status IN ('held', 'quarantined', 'retry_wait')",
-                [aggregate_type.into(), aggregate_id.into()],
-            ))
-            .await
-            .map_err(StoreError::from_db)?;
-        txn.commit().await.map_err(StoreError::from_db)?;
-        Ok(res.rows_affected())
-    }
 }
 
 /// The columns of a claimed row, in the order [`claimed_event`] reads them (the row is `w`).
