@@ -632,136 +632,130 @@ impl Bench<'_> {
     ) -> anyhow::Result<(f64, Option<f64>)> {
         let args = self.args;
         let rate = nz.get();
-        {
-            self.store.truncate_outbox().await?;
-            if table == BareTable::Plain {
-                self.store.create_plain_table().await?;
-            }
-            let spec = LoadSpec {
-                count: u64::from(rate).saturating_mul(args.steady_secs),
-                rate: Some(nz),
-                aggregates: args.aggregates,
-                aggregate_type: BENCH_AGGREGATE_TYPE.to_owned(),
-                event_type: BENCH_EVENT_TYPE.to_owned(),
-                payload_bytes: args.payload_bytes,
-                tx_size: args.steady_tx_size,
-                writers: args.steady_writers,
-                target: match table {
-                    BareTable::Outbox => WriteTarget::Outbox,
-                    BareTable::Plain => WriteTarget::PlainTable,
-                },
-            };
-            let stream = self.stream_key(&spec)?;
-            let relay = match args.steady_relay {
-                SteadyRelay::Node => {
-                    SteadyRunner::Node(self.start_node(args.delete_published).await?)
-                }
-                SteadyRelay::Bare | SteadyRelay::BarePlain => {
-                    let stop = Arc::new(AtomicBool::new(false));
-                    let phases = Arc::new(BarePhases::default());
-                    let tasks = self
-                        .spawn_bare_loops(&BareLoop {
-                            store: self.store.clone(),
-                            stream: stream.clone(),
-                            table,
-                            partitions: Vec::new(),
-                            slice: (1, 0),
-                            order: BareOrder::PartitionId,
-                            delete: args.delete_published,
-                            until: BareUntil::Stopped {
-                                stop: stop.clone(),
-                                poll: self.config.relay.busy_poll(),
-                            },
-                            phases: phases.clone(),
-                        })
-                        .await?;
-                    SteadyRunner::Bare {
-                        stop,
-                        tasks,
-                        phases,
-                    }
-                }
-            };
-            let measured = async {
-                if let SteadyRunner::Node(node) = &relay {
-                    self.wait_owned(node).await?;
-                    // Let the node reach its idle state (asking for nudges) before the load
-                    // starts.
-                    tokio::time::sleep(self.config.relay.idle_after() + Duration::from_millis(500))
-                        .await;
-                }
-                let poller = polled.then(|| self.poller());
-                let before = self.snapshot().await;
-                let phases_before = Phases::read();
-                let arrivals = Arrivals::new(spec.count);
-                let stop = Arc::new(AtomicBool::new(false));
-                let watcher = tokio::spawn(bench_latency::watch(
-                    self.redis.clone(),
-                    stream.clone(),
-                    arrivals.clone(),
-                    stop.clone(),
-                ));
-                let report =
-                    run_load(&self.store, &self.producer(), &spec, arrivals.on_commit()).await?;
-                let tail = Instant::now();
-                while self.store.has_unpublished(table).await? && tail.elapsed() < STEADY_TAIL {
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-                let after = self.snapshot().await;
-                let phases = match (&relay, phases_before, Phases::read()) {
-                    (SteadyRunner::Node(_), Some(b), Some(a)) => Some(("node", a.minus(&b))),
-                    (SteadyRunner::Bare { phases, .. }, ..) => {
-                        Some(("bare loops", phases.phases()))
-                    }
-                    _ => None,
-                };
-                stop.store(true, Ordering::Relaxed);
-                watcher.await.context("the stream reader failed")??;
-                if let Some(p) = poller {
-                    println!("   overview: {}", bench_poll::describe(&p.finish().await?));
-                }
-                Ok::<_, anyhow::Error>((
-                    report,
-                    before.diff(&after, self.clk_tck),
-                    arrivals.percentiles(),
-                    phases,
-                    args.steady_timeline.then(|| arrivals.per_second()),
-                ))
-            }
-            .await;
-            relay.stop().await?;
-            let (report, usage, seen, phases, timeline) = measured?;
-            // Deleted rows leave no times to read.
-            let lat = if args.delete_published {
-                None
-            } else {
-                Some(
-                    self.store
-                        .publish_latency(match args.steady_relay {
-                            SteadyRelay::Node => None,
-                            SteadyRelay::Bare | SteadyRelay::BarePlain => Some(table),
-                        })
-                        .await?,
-                )
-            };
-            let left = self.store.unpublished_count(table).await?;
-            print_steady_row(rate, &report, &seen, lat.as_ref(), &usage);
-            if let Some((who, p)) = phases {
-                p.print(who);
-            }
-            if let Some(seconds) = timeline {
-                print_timeline(&seconds);
-            }
-            if left > 0 {
-                println!(
-                    "WARNING: {left} events were still unpublished {} s after the load ended; \
-                     the percentiles cover the published ones only",
-                    STEADY_TAIL.as_secs()
-                );
-            }
-            delete_prefix_keys(&mut self.rconn.clone(), &self.prefix).await?;
-            Ok((report.events_per_sec(), seen.p99.map(|s| s * 1000.0)))
+        self.store.truncate_outbox().await?;
+        if table == BareTable::Plain {
+            self.store.create_plain_table().await?;
         }
+        let spec = LoadSpec {
+            count: u64::from(rate).saturating_mul(args.steady_secs),
+            rate: Some(nz),
+            aggregates: args.aggregates,
+            aggregate_type: BENCH_AGGREGATE_TYPE.to_owned(),
+            event_type: BENCH_EVENT_TYPE.to_owned(),
+            payload_bytes: args.payload_bytes,
+            tx_size: args.steady_tx_size,
+            writers: args.steady_writers,
+            target: match table {
+                BareTable::Outbox => WriteTarget::Outbox,
+                BareTable::Plain => WriteTarget::PlainTable,
+            },
+        };
+        let stream = self.stream_key(&spec)?;
+        let relay = match args.steady_relay {
+            SteadyRelay::Node => SteadyRunner::Node(self.start_node(args.delete_published).await?),
+            SteadyRelay::Bare | SteadyRelay::BarePlain => {
+                let stop = Arc::new(AtomicBool::new(false));
+                let phases = Arc::new(BarePhases::default());
+                let tasks = self
+                    .spawn_bare_loops(&BareLoop {
+                        store: self.store.clone(),
+                        stream: stream.clone(),
+                        table,
+                        partitions: Vec::new(),
+                        slice: (1, 0),
+                        order: BareOrder::PartitionId,
+                        delete: args.delete_published,
+                        until: BareUntil::Stopped {
+                            stop: stop.clone(),
+                            poll: self.config.relay.busy_poll(),
+                        },
+                        phases: phases.clone(),
+                    })
+                    .await?;
+                SteadyRunner::Bare {
+                    stop,
+                    tasks,
+                    phases,
+                }
+            }
+        };
+        let measured = async {
+            if let SteadyRunner::Node(node) = &relay {
+                self.wait_owned(node).await?;
+                // Let the node reach its idle state (asking for nudges) before the load
+                // starts.
+                tokio::time::sleep(self.config.relay.idle_after() + Duration::from_millis(500))
+                    .await;
+            }
+            let poller = polled.then(|| self.poller());
+            let before = self.snapshot().await;
+            let phases_before = Phases::read();
+            let arrivals = Arrivals::new(spec.count);
+            let stop = Arc::new(AtomicBool::new(false));
+            let watcher = tokio::spawn(bench_latency::watch(
+                self.redis.clone(),
+                stream.clone(),
+                arrivals.clone(),
+                stop.clone(),
+            ));
+            let report =
+                run_load(&self.store, &self.producer(), &spec, arrivals.on_commit()).await?;
+            let tail = Instant::now();
+            while self.store.has_unpublished(table).await? && tail.elapsed() < STEADY_TAIL {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            let after = self.snapshot().await;
+            let phases = match (&relay, phases_before, Phases::read()) {
+                (SteadyRunner::Node(_), Some(b), Some(a)) => Some(("node", a.minus(&b))),
+                (SteadyRunner::Bare { phases, .. }, ..) => Some(("bare loops", phases.phases())),
+                _ => None,
+            };
+            stop.store(true, Ordering::Relaxed);
+            watcher.await.context("the stream reader failed")??;
+            if let Some(p) = poller {
+                println!("   overview: {}", bench_poll::describe(&p.finish().await?));
+            }
+            Ok::<_, anyhow::Error>((
+                report,
+                before.diff(&after, self.clk_tck),
+                arrivals.percentiles(),
+                phases,
+                args.steady_timeline.then(|| arrivals.per_second()),
+            ))
+        }
+        .await;
+        relay.stop().await?;
+        let (report, usage, seen, phases, timeline) = measured?;
+        // Deleted rows leave no times to read.
+        let lat = if args.delete_published {
+            None
+        } else {
+            Some(
+                self.store
+                    .publish_latency(match args.steady_relay {
+                        SteadyRelay::Node => None,
+                        SteadyRelay::Bare | SteadyRelay::BarePlain => Some(table),
+                    })
+                    .await?,
+            )
+        };
+        let left = self.store.unpublished_count(table).await?;
+        print_steady_row(rate, &report, &seen, lat.as_ref(), &usage);
+        if let Some((who, p)) = phases {
+            p.print(who);
+        }
+        if let Some(seconds) = timeline {
+            print_timeline(&seconds);
+        }
+        if left > 0 {
+            println!(
+                "WARNING: {left} events were still unpublished {} s after the load ended; \
+                 the percentiles cover the published ones only",
+                STEADY_TAIL.as_secs()
+            );
+        }
+        delete_prefix_keys(&mut self.rconn.clone(), &self.prefix).await?;
+        Ok((report.events_per_sec(), seen.p99.map(|s| s * 1000.0)))
     }
 
     // ---------------------------------------------------------------------------------------
