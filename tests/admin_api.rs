@@ -672,7 +672,12 @@ async fn passwords_and_tokens_never_appear_in_answers_logs_metrics_or_the_audit_
         seen.contains("outpost_") && seen.contains("canary-viewer"),
         "answers were captured"
     );
-    let secret = |t: &str| t.rsplit('_').next().unwrap().to_owned();
+    // `opk_<id>_<secret>`: the secret is base64url, which may itself hold `_`.
+    let secret = |t: &str| {
+        let s = t.splitn(3, '_').nth(2).unwrap().to_owned();
+        assert!(s.len() >= 40, "a whole secret, not a piece of one: {s}");
+        s
+    };
     for (what, canary) in [
         ("database password", DB_PASSWORD.to_owned()),
         ("Redis password", REDIS_PASSWORD.to_owned()),
